@@ -1,0 +1,233 @@
+#include "autograd_kernel.h"
+
+#include <ATen/core/List.h>
+#include <ATen/core/stack.h>
+#include <c10/util/Exception.h>
+#include <torch/csrc/autograd/autograd.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/functions/utils.h>
+#include <torch/csrc/autograd/grad_mode.h>
+#include <torch/csrc/autograd/saved_variable.h>
+#include <ATen/core/grad_mode.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
+#include <ATen/core/LegacyTypeDispatch.h>
+
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace torch_opaque::detail {
+namespace {
+
+using torch::autograd::Node;
+using torch::autograd::SavedVariable;
+using torch::autograd::variable_list;
+
+// Note [Opaque backward node]
+// One node per op call. It holds the saved tensors as SavedVariables (so the
+// usual "modified by an inplace operation" and "backward through the graph a
+// second time" checks apply), the non-tensor record, and, per next edge, the
+// forward argument it differentiates. apply() calls `ns::Name_bwd` through the
+// dispatcher, so a traced backward shows it as one node.
+class OpaqueBackward final : public Node {
+ public:
+  OpaqueBackward(std::shared_ptr<OpaqueOp> op, std::vector<bool> needs_input_grad,
+                 std::vector<size_t> edge_args, ForwardRecord record)
+      : op_(std::move(op)),
+        needs_input_grad_(std::move(needs_input_grad)),
+        edge_args_(std::move(edge_args)),
+        materialize_grads_(record.materialize_grads),
+        state_(std::move(record.state)),
+        state_ints_(std::move(record.state_ints)) {}
+
+  std::string name() const override {
+    return op_->definition().ns + "::" + op_->definition().name + "Backward";
+  }
+
+  std::vector<SavedVariable>& saved() { return saved_; }
+
+  variable_list apply(variable_list&& grads) override {
+    TORCH_CHECK(!released_, "Trying to backward through ", name(),
+                " a second time (or to access its saved tensors after they were "
+                "freed). Pass retain_graph=True to the first backward call if you "
+                "need to backward twice.");
+    c10::List<std::optional<at::Tensor>> saved_list;
+    saved_list.reserve(saved_.size());
+    for (const auto& sv : saved_) {
+      at::Tensor t = sv.unpack(getptr());
+      saved_list.push_back(t.defined() ? std::optional<at::Tensor>(std::move(t))
+                                       : std::nullopt);
+    }
+    c10::List<std::optional<at::Tensor>> grad_list;
+    grad_list.reserve(grads.size());
+    for (size_t i = 0; i < grads.size(); ++i) {
+      if (!grads[i].defined() && materialize_grads_) {
+        grads[i] = input_metadata(i).zeros_like();
+      }
+      grad_list.push_back(grads[i].defined() ? std::optional<at::Tensor>(grads[i])
+                                             : std::nullopt);
+    }
+    c10::List<bool> needs;
+    needs.reserve(needs_input_grad_.size());
+    for (bool b : needs_input_grad_) needs.push_back(b);
+
+    torch::jit::Stack stack;
+    stack.reserve(5);
+    stack.emplace_back(std::move(saved_list));
+    stack.emplace_back(std::move(grad_list));
+    stack.emplace_back(std::move(needs));
+    stack.emplace_back(state_);
+    stack.emplace_back(c10::SymIntArrayRef(state_ints_));
+    op_->backward_op().callBoxed(stack);
+    TORCH_INTERNAL_ASSERT(stack.size() == 1);
+    auto result = stack.back().toOptionalTensorList();
+    TORCH_CHECK(result.size() == op_->num_arguments(), op_->qualified_name(),
+                ": the backward returned ", result.size(),
+                " gradients, but the forward takes ", op_->num_arguments(),
+                " arguments. Return one gradient (or None) per forward argument.");
+    variable_list out(edge_args_.size());
+    for (size_t e = 0; e < edge_args_.size(); ++e) {
+      std::optional<at::Tensor> g = result.get(edge_args_[e]);
+      if (g.has_value()) out[e] = std::move(*g);
+    }
+    return out;
+  }
+
+  void release_variables() override {
+    for (auto& sv : saved_) sv.reset_data();
+    released_ = !saved_.empty();
+  }
+
+ private:
+  std::shared_ptr<OpaqueOp> op_;
+  std::vector<bool> needs_input_grad_;
+  std::vector<size_t> edge_args_;
+  std::vector<SavedVariable> saved_;
+  bool materialize_grads_;
+  std::string state_;
+  std::vector<c10::SymInt> state_ints_;
+  bool released_ = false;
+};
+
+} // namespace
+
+void AutogradKernel::operator()(const c10::OperatorHandle& handle,
+                                c10::DispatchKeySet keys, torch::jit::Stack* stack) {
+  std::shared_ptr<OpaqueOp> op = op_.lock();
+  TORCH_INTERNAL_ASSERT(op, "opaque op used after its definition was destroyed");
+  const size_t n_args = op->num_arguments();
+  const size_t n_out = op->num_outputs();
+
+  // Which forward arguments are differentiable tensors that require grad.
+  // Only top-level Tensor / Tensor? arguments are differentiable, exactly as
+  // for torch.autograd.Function (tensors inside lists are not tracked).
+  std::vector<bool> needs(n_args, false);
+  std::vector<size_t> edge_args;
+  bool any = false;
+  {
+    auto args = torch::jit::last(*stack, n_args);
+    const bool grad_on = at::GradMode::is_enabled();
+    for (size_t i = 0; i < n_args; ++i) {
+      if (args[i].isTensor()) {
+        edge_args.push_back(i);
+        const at::Tensor& t = args[i].toTensor();
+        if (grad_on && t.defined() && t.requires_grad()) {
+          needs[i] = true;
+          any = true;
+        }
+      }
+    }
+  }
+  if (!any) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    handle.redispatchBoxed(keys & c10::after_ADInplaceOrView_keyset, stack);
+    return;
+  }
+
+  // Keep the inputs: they become next edges and may be saved.
+  std::vector<c10::IValue> inputs(stack->end() - n_args, stack->end());
+  std::optional<ForwardRecord> record;
+  {
+    ForwardCallScope scope(needs);
+    at::AutoDispatchBelowADInplaceOrView guard;
+    op->forward_op().callBoxed(stack);
+    record = scope.take_record();
+  }
+  TORCH_CHECK(record.has_value(), op->qualified_name(),
+              ": the forward kernel did not report its saved state "
+              "(torch_opaque::set_forward_record was not called).");
+  TORCH_INTERNAL_ASSERT(stack->size() >= n_out + 1);
+  c10::List<at::Tensor> residuals = stack->back().toTensorList();
+  stack->pop_back();
+  auto out_begin = stack->end() - n_out;
+
+  std::vector<at::Tensor> edge_tensors;
+  edge_tensors.reserve(edge_args.size());
+  for (size_t i : edge_args) edge_tensors.push_back(inputs[i].toTensor());
+
+  std::vector<SavedRef> saved_refs = std::move(record->saved);
+  std::vector<bool> non_diff = std::move(record->non_differentiable);
+  TORCH_CHECK(non_diff.empty() || non_diff.size() == n_out, op->qualified_name(),
+              ": non_differentiable has ", non_diff.size(), " entries for ", n_out,
+              " outputs.");
+  auto node = c10::make_intrusive<OpaqueBackward>(op, needs, edge_args,
+                                                  std::move(*record));
+  node->set_next_edges(torch::autograd::collect_next_edges(edge_tensors));
+
+  for (size_t k = 0; k < n_out; ++k) {
+    c10::IValue& v = *(out_begin + k);
+    TORCH_CHECK(v.isTensor(), op->qualified_name(), ": output ", k,
+                " is not a Tensor.");
+    const at::Tensor& out = v.toTensor();
+    const bool diff = out.defined() && (non_diff.empty() || !non_diff[k]) &&
+        torch::autograd::isDifferentiableType(out.scalar_type());
+    if (diff) {
+      torch::autograd::set_history(out, node);
+    } else if (out.defined()) {
+      node->add_input_metadata(out);
+    } else {
+      node->add_input_metadata(Node::undefined_input());
+    }
+  }
+
+  auto& saved = node->saved();
+  saved.reserve(saved_refs.size());
+  for (const SavedRef& ref : saved_refs) {
+    switch (ref.kind) {
+      case SavedKind::None:
+        saved.emplace_back();
+        break;
+      case SavedKind::Input:
+        TORCH_CHECK(ref.index >= 0 && static_cast<size_t>(ref.index) < n_args &&
+                        inputs[ref.index].isTensor(),
+                    op->qualified_name(), ": saved input ", ref.index,
+                    " is not a tensor argument.");
+        saved.emplace_back(inputs[ref.index].toTensor(), /*is_output=*/false);
+        break;
+      case SavedKind::InputListItem:
+        TORCH_CHECK(ref.index >= 0 && static_cast<size_t>(ref.index) < n_args &&
+                        inputs[ref.index].isTensorList(),
+                    op->qualified_name(), ": saved input ", ref.index,
+                    " is not a tensor-list argument.");
+        saved.emplace_back(inputs[ref.index].toTensorList().get(ref.item),
+                           /*is_output=*/false);
+        break;
+      case SavedKind::Output:
+        TORCH_CHECK(ref.index >= 0 && static_cast<size_t>(ref.index) < n_out,
+                    op->qualified_name(), ": saved output ", ref.index,
+                    " does not exist.");
+        saved.emplace_back((out_begin + ref.index)->toTensor(), /*is_output=*/true);
+        break;
+      case SavedKind::Residual:
+        TORCH_CHECK(ref.index >= 0 &&
+                        static_cast<size_t>(ref.index) < residuals.size(),
+                    op->qualified_name(), ": residual ", ref.index,
+                    " was not returned by the forward kernel.");
+        saved.emplace_back(residuals.get(ref.index), /*is_output=*/false);
+        break;
+    }
+  }
+}
+
+} // namespace torch_opaque::detail

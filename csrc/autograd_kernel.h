@@ -1,0 +1,25 @@
+#pragma once
+// The generic Autograd kernel of every opaque op, and its backward node.
+
+#include <torch_opaque/opaque_op.h>
+
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/core/boxing/KernelFunction.h>
+
+#include <memory>
+
+namespace torch_opaque::detail {
+
+class AutogradKernel final : public c10::OperatorKernel {
+ public:
+  explicit AutogradKernel(std::weak_ptr<OpaqueOp> op) : op_(std::move(op)) {}
+  void operator()(const c10::OperatorHandle& handle, c10::DispatchKeySet keys,
+                  torch::jit::Stack* stack);
+
+ private:
+  // The op owns its registrations, which own this kernel: a weak pointer
+  // avoids a reference cycle.
+  std::weak_ptr<OpaqueOp> op_;
+};
+
+} // namespace torch_opaque::detail

@@ -1,0 +1,174 @@
+#include <torch_opaque/opaque_op.h>
+
+#include "autograd_kernel.h"
+
+#include <ATen/core/op_registration/op_registration.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
+#include <c10/util/Exception.h>
+#include <torch/csrc/autograd/autograd_not_implemented_fallback.h>
+#include <torch/library.h>
+
+#include <cctype>
+#include <mutex>
+#include <sstream>
+#include <utility>
+
+namespace torch_opaque {
+namespace {
+
+// Runs a user kernel for the schema of the op it is registered on.
+class UserKernel final : public c10::OperatorKernel {
+ public:
+  explicit UserKernel(BoxedKernel fn) : fn_(std::move(fn)) {}
+  void operator()(const c10::OperatorHandle& op, c10::DispatchKeySet,
+                  torch::jit::Stack* stack) {
+    fn_(op.schema(), stack);
+  }
+
+ private:
+  BoxedKernel fn_;
+};
+
+// `ns::Name` below autograd: the forward without residuals and without a
+// record (nothing will be differentiated).
+class InferenceKernel final : public c10::OperatorKernel {
+ public:
+  explicit InferenceKernel(std::weak_ptr<OpaqueOp> op) : op_(std::move(op)) {}
+  void operator()(const c10::OperatorHandle&, c10::DispatchKeySet,
+                  torch::jit::Stack* stack) {
+    auto op = op_.lock();
+    TORCH_INTERNAL_ASSERT(op);
+    detail::ForwardCallScope scope(std::nullopt);
+    op->definition().forward(op->forward_op().schema(), stack);
+    stack->pop_back(); // residuals
+  }
+
+ private:
+  std::weak_ptr<OpaqueOp> op_;
+};
+
+bool is_identifier(const std::string& s) {
+  if (s.empty() || std::isdigit(static_cast<unsigned char>(s[0]))) return false;
+  for (char c : s) {
+    if (!std::isalnum(static_cast<unsigned char>(c)) && c != '_') return false;
+  }
+  return true;
+}
+
+std::string with_overload(const std::string& name, const std::string& overload) {
+  return overload.empty() ? name : name + "." + overload;
+}
+
+std::string returns_string(const std::vector<std::string>& returns, bool residuals) {
+  std::ostringstream ss;
+  const size_t n = returns.size() + (residuals ? 1 : 0);
+  if (n != 1) ss << "(";
+  for (size_t i = 0; i < returns.size(); ++i) ss << (i ? ", " : "") << returns[i];
+  if (residuals) ss << (returns.empty() ? "" : ", ") << "Tensor[]";
+  if (n != 1) ss << ")";
+  return ss.str();
+}
+
+std::vector<std::shared_ptr<OpaqueOp>>& all_ops() {
+  // Registrations stay alive for the process; this also keeps Python kernels
+  // from being destroyed during interpreter shutdown.
+  static auto* ops = new std::vector<std::shared_ptr<OpaqueOp>>();
+  return *ops;
+}
+
+
+} // namespace
+
+OpaqueOp::OpaqueOp(OpDefinition def, c10::OperatorHandle op, c10::OperatorHandle fwd,
+                   c10::OperatorHandle bwd)
+    : def_(std::move(def)),
+      op_(std::move(op)),
+      fwd_op_(std::move(fwd)),
+      bwd_op_(std::move(bwd)),
+      num_args_(op_.schema().arguments().size()) {}
+
+std::string OpaqueOp::qualified_name() const {
+  return def_.ns + "::" + with_overload(def_.name, def_.overload);
+}
+
+std::shared_ptr<OpaqueOp> define_op(OpDefinition def) {
+  static std::mutex mu;
+  std::lock_guard<std::mutex> lock(mu);
+  const std::string qual = def.ns + "::" + with_overload(def.name, def.overload);
+  TORCH_CHECK(is_identifier(def.ns), "torch_opaque: namespace '", def.ns,
+              "' is not a valid identifier; use letters, digits and '_'.");
+  TORCH_CHECK(is_identifier(def.name), "torch_opaque: op name '", def.name,
+              "' is not a valid identifier; use letters, digits and '_'.");
+  TORCH_CHECK(def.overload.empty() || is_identifier(def.overload),
+              "torch_opaque: overload name '", def.overload,
+              "' is not a valid identifier; use letters, digits and '_'.");
+  TORCH_CHECK(!def.returns.empty(), "torch_opaque: ", qual,
+              " must return at least one tensor.");
+  TORCH_CHECK(def.forward && def.backward, "torch_opaque: ", qual,
+              " needs both a forward and a backward kernel.");
+  auto& dispatcher = c10::Dispatcher::singleton();
+  for (const char* suffix : {"", "_fwd", "_bwd"}) {
+    TORCH_CHECK(!dispatcher.findSchema({def.ns + "::" + def.name + suffix, def.overload}),
+                "torch_opaque: ", def.ns, "::", with_overload(def.name + suffix, def.overload),
+                " is already defined. Pick another name (or overload), or reuse the "
+                "existing op.");
+  }
+
+  const std::string main_schema = with_overload(def.name, def.overload) + "(" +
+      def.arguments + ") -> " + returns_string(def.returns, false);
+  const std::string fwd_schema = with_overload(def.name + "_fwd", def.overload) + "(" +
+      def.arguments + ") -> " + returns_string(def.returns, true);
+  const std::string bwd_schema = with_overload(def.name + "_bwd", def.overload) +
+      "(Tensor?[] saved, Tensor?[] grads, bool[] needs_input_grad, str state, "
+      "SymInt[] state_ints) -> Tensor?[]";
+
+  auto lib = std::make_unique<torch::Library>(torch::Library::FRAGMENT, def.ns,
+                                              std::nullopt, __FILE__, __LINE__);
+  const std::vector<at::Tag> tags = {at::Tag::pt2_compliant_tag};
+  try {
+    lib->def(main_schema.c_str(), tags);
+    lib->def(fwd_schema.c_str(), tags);
+    lib->def(bwd_schema.c_str(), tags);
+  } catch (const std::exception& e) {
+    // The schema parser throws torch::jit::ErrorReport, not c10::Error.
+    TORCH_CHECK(false, "torch_opaque: cannot define ", qual, " with schema '",
+                main_schema, "': ", e.what());
+  }
+  auto find = [&](const std::string& suffix) {
+    return dispatcher.findSchemaOrThrow((def.ns + "::" + def.name + suffix).c_str(),
+                                        def.overload.c_str());
+  };
+  auto op = std::make_shared<OpaqueOp>(def, find(""), find("_fwd"), find("_bwd"));
+  std::weak_ptr<OpaqueOp> weak = op;
+  const std::string main_name = with_overload(def.name, def.overload);
+  lib->impl(main_name.c_str(),
+            torch::dispatch(c10::DispatchKey::CompositeExplicitAutograd,
+                            torch::CppFunction::makeFromBoxedFunctor(
+                                std::make_unique<InferenceKernel>(weak))));
+  lib->impl(main_name.c_str(),
+            torch::dispatch(c10::DispatchKey::Autograd,
+                            torch::CppFunction::makeFromBoxedFunctor(
+                                std::make_unique<detail::AutogradKernel>(weak))));
+  lib->impl(with_overload(def.name + "_fwd", def.overload).c_str(),
+            torch::dispatch(c10::DispatchKey::CompositeExplicitAutograd,
+                            torch::CppFunction::makeFromBoxedFunctor(
+                                std::make_unique<UserKernel>(def.forward))));
+  lib->impl(with_overload(def.name + "_bwd", def.overload).c_str(),
+            torch::dispatch(c10::DispatchKey::CompositeExplicitAutograd,
+                            torch::CppFunction::makeFromBoxedFunctor(
+                                std::make_unique<UserKernel>(def.backward))));
+  // `_fwd` and `_bwd` are not differentiable themselves: differentiating
+  // through them (double backward) fails with a clear message instead of
+  // silently giving zero.
+  lib->impl(with_overload(def.name + "_fwd", def.overload).c_str(),
+            torch::dispatch(c10::DispatchKey::Autograd,
+                            torch::autograd::autogradNotImplementedFallback()));
+  lib->impl(with_overload(def.name + "_bwd", def.overload).c_str(),
+            torch::dispatch(c10::DispatchKey::Autograd,
+                            torch::autograd::autogradNotImplementedFallback()));
+  op->keep_alive(std::move(lib));
+  all_ops().push_back(op);
+  return op;
+}
+
+} // namespace torch_opaque

@@ -1,0 +1,74 @@
+// torch_opaque._C: the Python face of the C++ core.
+#include "python_kernel.h"
+
+#include <torch_opaque/forward_record.h>
+#include <torch_opaque/opaque_op.h>
+
+#include <torch/csrc/jit/python/pybind_utils.h>
+#include <torch/csrc/utils/pybind.h>
+
+namespace py = pybind11;
+
+namespace torch_opaque::python {
+namespace {
+
+py::object take_needs_input_grad_py() {
+  auto needs = take_needs_input_grad();
+  if (!needs) return py::none();
+  py::tuple t(needs->size());
+  for (size_t i = 0; i < needs->size(); ++i) t[i] = py::bool_((*needs)[i]);
+  return std::move(t);
+}
+
+void set_forward_record_py(const std::vector<int64_t>& saved,
+                           const std::vector<bool>& non_differentiable,
+                           bool materialize_grads, std::string state,
+                           const std::vector<c10::SymInt>& state_ints) {
+  TORCH_CHECK(saved.size() % 3 == 0, "saved must hold (kind, index, item) triples");
+  ForwardRecord r;
+  r.saved.reserve(saved.size() / 3);
+  for (size_t i = 0; i < saved.size(); i += 3) {
+    TORCH_CHECK(saved[i] >= 0 && saved[i] <= 4, "bad saved kind ", saved[i]);
+    r.saved.push_back({static_cast<SavedKind>(saved[i]), saved[i + 1], saved[i + 2]});
+  }
+  r.non_differentiable = non_differentiable;
+  r.materialize_grads = materialize_grads;
+  r.state = std::move(state);
+  r.state_ints = state_ints;
+  set_forward_record(std::move(r));
+}
+
+} // namespace
+} // namespace torch_opaque::python
+
+PYBIND11_MODULE(_C, m) {
+  using namespace torch_opaque;
+  using namespace torch_opaque::python;
+  m.doc() = "torch_opaque C++ core";
+  py::class_<OpaqueOp, std::shared_ptr<OpaqueOp>>(m, "OpaqueOp")
+      .def_property_readonly("qualified_name", &OpaqueOp::qualified_name)
+      .def_property_readonly("num_arguments", &OpaqueOp::num_arguments)
+      .def_property_readonly("num_outputs", &OpaqueOp::num_outputs);
+  m.def(
+      "define_op",
+      [](std::string ns, std::string name, std::string overload, std::string arguments,
+         std::vector<std::string> returns, py::object forward, py::object backward) {
+        OpDefinition def;
+        def.ns = std::move(ns);
+        def.name = std::move(name);
+        def.overload = std::move(overload);
+        def.arguments = std::move(arguments);
+        def.returns = std::move(returns);
+        def.forward = make_python_kernel(std::move(forward));
+        def.backward = make_python_kernel(std::move(backward));
+        return define_op(std::move(def));
+      },
+      py::arg("ns"), py::arg("name"), py::arg("overload"), py::arg("arguments"),
+      py::arg("returns"), py::arg("forward"), py::arg("backward"));
+  m.def("take_needs_input_grad", &take_needs_input_grad_py,
+        "Inside a forward kernel: the needs_input_grad flags of this call "
+        "(a tuple), or None when the call is not recorded for autograd.");
+  m.def("set_forward_record", &set_forward_record_py, py::arg("saved"),
+        py::arg("non_differentiable"), py::arg("materialize_grads"), py::arg("state"),
+        py::arg("state_ints"));
+}

@@ -1,0 +1,79 @@
+#pragma once
+// Defining an opaque operator: one op node in every traced graph, with a
+// generic Autograd kernel and an opaque backward op.
+//
+// define_op registers three operators from one definition:
+//   ns::Name.overload(<arguments>) -> <returns>
+//   ns::Name_fwd.overload(<arguments>) -> (<returns>, Tensor[] residuals)
+//   ns::Name_bwd.overload(Tensor?[] saved, Tensor?[] grads,
+//                         bool[] needs_input_grad, str state,
+//                         SymInt[] state_ints) -> Tensor?[]
+// `ns::Name` gets the Autograd kernel (see autograd_kernel.cpp) and a
+// CompositeExplicitAutograd kernel; `_fwd` and `_bwd` get the user's kernels.
+// Fake (meta) kernels are registered by whoever supplies the kernels: the
+// Python front end uses torch.library.register_fake.
+
+#include <torch_opaque/forward_record.h>
+
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/core/function_schema.h>
+#include <ATen/core/stack.h>
+
+#include <torch/library.h>
+
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace torch_opaque {
+
+// A boxed kernel. It finds its arguments (as described by `schema`) on top of
+// the stack, pops them and pushes its returns.
+using BoxedKernel =
+    std::function<void(const c10::FunctionSchema& schema, torch::jit::Stack* stack)>;
+
+struct OpDefinition {
+  std::string ns;        // e.g. "opaque"
+  std::string name;      // e.g. "Foo"
+  std::string overload;  // "" for the default overload
+  std::string arguments; // e.g. "Tensor x, float alpha=1.0"
+  std::vector<std::string> returns; // e.g. {"Tensor", "Tensor"}; at least one
+  // Arguments of `ns::Name`; returns `returns` followed by Tensor[] residuals.
+  // When take_needs_input_grad() gives flags, it must call set_forward_record.
+  BoxedKernel forward;
+  // Arguments of `ns::Name_bwd`; returns one Tensor? per forward argument.
+  BoxedKernel backward;
+};
+
+class OpaqueOp;
+
+// Registers the three operators. Throws c10::Error with a readable message
+// when the definition is invalid (bad schema, name already taken, ...).
+// Registrations live for the rest of the process.
+std::shared_ptr<OpaqueOp> define_op(OpDefinition definition);
+
+class OpaqueOp {
+ public:
+  const OpDefinition& definition() const { return def_; }
+  // "ns::Name" / "ns::Name.overload"
+  std::string qualified_name() const;
+  const c10::OperatorHandle& op() const { return op_; }
+  const c10::OperatorHandle& forward_op() const { return fwd_op_; }
+  const c10::OperatorHandle& backward_op() const { return bwd_op_; }
+  size_t num_arguments() const { return num_args_; }
+  size_t num_outputs() const { return def_.returns.size(); }
+
+  // Internal: used by define_op.
+  OpaqueOp(OpDefinition def, c10::OperatorHandle op, c10::OperatorHandle fwd,
+           c10::OperatorHandle bwd);
+  void keep_alive(std::unique_ptr<torch::Library> lib) { lib_ = std::move(lib); }
+
+ private:
+  std::unique_ptr<torch::Library> lib_;
+  OpDefinition def_;
+  c10::OperatorHandle op_, fwd_op_, bwd_op_;
+  size_t num_args_;
+};
+
+} // namespace torch_opaque
