@@ -1,0 +1,37 @@
+"""torch_opaque: any torch.autograd.Function as one opaque, differentiable operator.
+
+    @torch_opaque.op                 # or torch_opaque.wrap(TheirFunction)
+    class Foo(torch.autograd.Function): ...
+
+    Foo.apply(x)                     # runs torch.ops.opaque.<Foo name>
+    torch.export.export(model, (x,)) # the graph keeps one node per call
+
+    with torch_opaque.auto(): ...    # every autograd.Function met becomes an op
+    torch_opaque.export(model, (x,)) # torch.export.export inside auto()
+"""
+
+import torch  # noqa: F401  (loads libtorch before the extension)
+
+from . import _C  # noqa: F401
+from .auto import auto, export
+from .function import DEFAULT_NAMESPACE, OpaqueFunction, is_wrapped, lookup, op, wrap
+from .kernels import FakeForwardError
+from .schema import SchemaError
+from . import dynamo_hook as _dynamo_hook
+
+_dynamo_hook.install()
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "op",
+    "wrap",
+    "lookup",
+    "is_wrapped",
+    "auto",
+    "export",
+    "OpaqueFunction",
+    "SchemaError",
+    "FakeForwardError",
+    "DEFAULT_NAMESPACE",
+]

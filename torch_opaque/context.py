@@ -1,0 +1,197 @@
+"""The ``ctx`` objects handed to a wrapped Function's forward and backward.
+
+They behave like ``torch.autograd.function.FunctionCtx`` for everything an
+opaque op can carry, and say clearly what it cannot.
+
+Note [Context state]
+Whatever the forward leaves on ctx must reach the backward through the
+``_bwd`` op's schema, so that a traced training graph carries it:
+- tensors passed to ``save_for_backward`` (and tensors stored as attributes)
+  become saved tensors: inputs and outputs by reference, anything else as a
+  residual output of the ``_fwd`` op;
+- other attributes are encoded into the ``str state`` argument as a Python
+  literal; symbolic ints (``x.shape[0]`` under dynamic shapes) go to the
+  ``SymInt[] state_ints`` argument and are referenced from the literal.
+Values that have no such representation are refused with an error naming the
+attribute.
+"""
+
+from __future__ import annotations
+
+import ast
+from typing import Any
+
+import torch
+
+_INTERNAL = frozenset(
+    {
+        "_to_save",
+        "_non_diff",
+        "_materialize",
+        "needs_input_grad",
+        "_fn_name",
+        "saved_tensors",
+    }
+)
+
+
+class ForwardContext:
+    """``ctx`` inside a wrapped forward (or setup_context)."""
+
+    def __init__(self, fn_name: str, needs_input_grad: tuple):
+        self._fn_name = fn_name
+        self.needs_input_grad = needs_input_grad
+        self._to_save = ()
+        self._non_diff = ()
+        self._materialize = True
+
+    def save_for_backward(self, *tensors):
+        for i, t in enumerate(tensors):
+            if t is not None and not isinstance(t, torch.Tensor):
+                raise TypeError(
+                    f"{self._fn_name}: save_for_backward can only save tensors or None, "
+                    f"but argument {i} is a {type(t).__name__}. Store other values as "
+                    f"ctx attributes (ctx.name = value)."
+                )
+        self._to_save = tensors
+
+    def save_for_forward(self, *tensors):
+        raise NotImplementedError(
+            f"{self._fn_name}: forward-mode AD (save_for_forward / jvp) is not supported by "
+            f"torch_opaque ops yet. Leave this Function unwrapped if you need jvp."
+        )
+
+    def mark_non_differentiable(self, *tensors):
+        self._non_diff = self._non_diff + tensors
+
+    def set_materialize_grads(self, value: bool):
+        self._materialize = bool(value)
+
+    def mark_dirty(self, *tensors):
+        raise RuntimeError(
+            f"{self._fn_name}: ctx.mark_dirty() (an in-place Function) is not supported by "
+            f"torch_opaque: an operator that mutates its input needs a mutable schema. "
+            f"Return a new tensor instead of modifying the input, or keep this Function "
+            f"unwrapped."
+        )
+
+    @property
+    def saved_tensors(self):
+        return tuple(self._to_save)
+
+
+class BackwardContext:
+    """``ctx`` inside a wrapped backward."""
+
+    def __init__(self, fn_name, saved_tensors, needs_input_grad, attrs):
+        self.__dict__.update(attrs)
+        self._fn_name = fn_name
+        self.saved_tensors = saved_tensors
+        self.needs_input_grad = needs_input_grad
+
+    @property
+    def saved_variables(self):
+        return self.saved_tensors
+
+
+def user_attributes(ctx: ForwardContext) -> dict:
+    return {k: v for k, v in ctx.__dict__.items() if k not in _INTERNAL}
+
+
+# ---- encoding non-tensor state -------------------------------------------------
+#
+# The literal is a tuple of (name, encoded value) pairs. Encoded values are
+# plain literals, or tagged tuples for what literal_eval cannot read:
+#   ("T", i)   saved tensor i          ("S", i)  state_ints[i]
+#   ("D", "float32") dtype             ("V", "cpu") device
+#   ("Z", (...)) torch.Size            ("L", (...)) list  ("U", (...)) tuple
+
+
+class _Encoder:
+    def __init__(self, fn_name, saved: list, ints: list):
+        self.fn_name = fn_name
+        self.saved = saved
+        self.ints = ints
+
+    def __call__(self, name, v):
+        if v is None or isinstance(v, (bool, int, float, str)):
+            if isinstance(v, float) and v != v:
+                return ("F", "nan")
+            if isinstance(v, float) and v in (float("inf"), float("-inf")):
+                return ("F", repr(v))
+            return v
+        if isinstance(v, torch.SymInt):
+            self.ints.append(v)
+            return ("S", len(self.ints) - 1)
+        if isinstance(v, torch.Tensor):
+            self.saved.append(v)
+            return ("T", len(self.saved) - 1)
+        if isinstance(v, torch.dtype):
+            return ("D", str(v).replace("torch.", ""))
+        if isinstance(v, torch.device):
+            return ("V", str(v))
+        if isinstance(v, torch.Size):
+            return ("Z", tuple(self(name, x) for x in v))
+        if isinstance(v, (list, tuple)):
+            items = tuple(self(name, x) for x in v)
+            if any(isinstance(x, tuple) and x and x[0] == "T" for x in items):
+                raise TypeError(
+                    f"{self.fn_name}: ctx.{name} holds tensors inside a "
+                    f"{type(v).__name__}; save them with ctx.save_for_backward(...) instead."
+                )
+            return ("L" if isinstance(v, list) else "U", items)
+        raise TypeError(
+            f"{self.fn_name}: ctx.{name} holds a {type(v).__name__}, which cannot be passed "
+            f"to the backward op. Keep tensors in ctx.save_for_backward(...) and other state "
+            f"as int, float, bool, str, None, torch.dtype, torch.device, torch.Size or "
+            f"lists/tuples of those."
+        )
+
+
+def encode_state(fn_name: str, attrs: dict, saved: list) -> tuple:
+    """(state string, state ints); tensors in attrs are appended to `saved`.
+
+    The literal is ``(number of explicitly saved tensors, pairs)``.
+    """
+    if not attrs:
+        return "", []
+    n_explicit = len(saved)
+    ints: list = []
+    enc = _Encoder(fn_name, saved, ints)
+    pairs = tuple((k, enc(k, v)) for k, v in attrs.items())
+    return repr((n_explicit, pairs)), ints
+
+
+_DECODE_CACHE: dict = {}
+
+
+def _decode(v, saved, ints):
+    if isinstance(v, tuple):
+        tag, body = v
+        if tag == "T":
+            return saved[body]
+        if tag == "S":
+            return ints[body]
+        if tag == "D":
+            return getattr(torch, body)
+        if tag == "V":
+            return torch.device(body)
+        if tag == "F":
+            return float(body)
+        items = [_decode(x, saved, ints) for x in body]
+        if tag == "Z":
+            return torch.Size(items)
+        return items if tag == "L" else tuple(items)
+    return v
+
+
+def decode_state(state: str, saved, ints) -> tuple:
+    """(number of explicitly saved tensors, attributes) from encode_state's string."""
+    parsed = _DECODE_CACHE.get(state)
+    if parsed is None:
+        parsed = ast.literal_eval(state)
+        if len(_DECODE_CACHE) > 4096:
+            _DECODE_CACHE.clear()
+        _DECODE_CACHE[state] = parsed
+    n_explicit, pairs = parsed
+    return n_explicit, {k: _decode(v, saved, ints) for k, v in pairs}

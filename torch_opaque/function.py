@@ -1,0 +1,358 @@
+"""Turning a torch.autograd.Function subclass into an opaque operator.
+
+Example::
+
+    >>> import torch, torch_opaque
+    >>> @torch_opaque.op(name="MySin")
+    ... class MySin(torch.autograd.Function):
+    ...     @staticmethod
+    ...     def forward(ctx, x):
+    ...         ctx.save_for_backward(x)
+    ...         return x.sin()
+    ...     @staticmethod
+    ...     def backward(ctx, grad):
+    ...         (x,) = ctx.saved_tensors
+    ...         return grad * x.cos()
+    >>> x = torch.randn(3, requires_grad=True)
+    >>> MySin.apply(x).sum().backward()        # runs torch.ops.opaque.MySin
+    >>> bool(torch.allclose(x.grad, x.detach().cos()))
+    True
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import re
+import threading
+from typing import Any, Optional
+
+import torch
+from torch.autograd.function import _is_setup_context_defined
+
+from . import _C
+from .kernels import BackwardRunner, FakeRunner, InferenceFake, Runner, fake_forward_error
+from .kernels import FakeForwardError, make_backward_fake
+from .schema import SchemaError, kinds_key, returns_from_hint, specs_from_hints
+from .schema import specs_from_values
+
+DEFAULT_NAMESPACE = "opaque"
+
+_LOCK = threading.RLock()
+_BY_CLASS: dict = {}  # class -> OpaqueFunction
+_BY_OPNAME: dict = {}  # (namespace, name) -> OpaqueFunction
+_ORIGINAL_APPLY = torch.autograd.Function.apply.__func__
+
+
+def default_name(cls: type) -> str:
+    """``<Qualname>_<6 hex digits of the module>``: stable across processes and
+    distinct for equal class names in different modules."""
+    qual = re.sub(r"\W", "_", cls.__qualname__.replace(".<locals>.", "_").replace(".", "_"))
+    digest = hashlib.sha1(cls.__module__.encode()).hexdigest()[:6]
+    return f"{qual}_{digest}"
+
+
+class Overload:
+    """One registered schema of a wrapped Function."""
+
+    def __init__(self, fn: "OpaqueFunction", overload: str, specs, n_out, returns_tuple):
+        self.specs = specs
+        self.n_out = n_out
+        self.returns_tuple = returns_tuple
+        self.name = overload or "default"
+        name = fn.display_name
+        forward = fn.cls.forward
+        setup = fn.cls.setup_context if fn.setup_style else None
+        user_fake = getattr(fn.cls, "fake", None)
+        self.runner = Runner(name, forward, setup, specs, n_out)
+        fake_runner = FakeRunner(
+            name, user_fake or forward, setup, specs, n_out, has_user_fake=user_fake is not None
+        )
+        bwd = BackwardRunner(name, fn.cls.backward, specs)
+        self.handle = _C.define_op(
+            fn.namespace,
+            fn.name,
+            overload,
+            ", ".join(s.decl for s in specs),
+            ["Tensor"] * n_out,
+            self.runner,
+            bwd,
+        )
+        ns = getattr(torch.ops, fn.namespace)
+        self.op = getattr(getattr(ns, fn.name), self.name)
+        self.fwd_op = getattr(getattr(ns, fn.name + "_fwd"), self.name)
+        self.bwd_op = getattr(getattr(ns, fn.name + "_bwd"), self.name)
+        torch.library.register_fake(self.op, InferenceFake(fake_runner), lib=fn.lib)
+        torch.library.register_fake(self.fwd_op, fake_runner, lib=fn.lib)
+        torch.library.register_fake(self.bwd_op, make_backward_fake(bwd, name), lib=fn.lib)
+
+    def __call__(self, args):
+        out = self.op(*args)
+        if self.returns_tuple and self.n_out == 1:
+            return (out,)
+        return out
+
+
+class OpaqueFunction:
+    """The operator side of one autograd.Function subclass."""
+
+    def __init__(self, cls: type, namespace: str, name: str):
+        self.cls = cls
+        self.namespace = namespace
+        self.name = name
+        self.display_name = cls.__qualname__
+        self.setup_style = _is_setup_context_defined(cls.setup_context)
+        params = list(inspect.signature(cls.forward).parameters.values())
+        if not self.setup_style:
+            if not params:
+                raise TypeError(f"torch_opaque: {self.display_name}.forward must take ctx.")
+            params = params[1:]
+        self.varargs = False
+        names, defaults = [], {}
+        for p in params:
+            if p.kind is p.VAR_POSITIONAL:
+                self.varargs = True
+                break
+            if p.kind in (p.KEYWORD_ONLY, p.VAR_KEYWORD):
+                raise TypeError(
+                    f"torch_opaque: {self.display_name}.forward has keyword-only argument "
+                    f"'{p.name}'; autograd.Function.apply passes arguments by position. "
+                    f"Make it a positional argument."
+                )
+            names.append(p.name)
+            if p.default is not p.empty:
+                defaults[p.name] = p.default
+        self.arg_names = names
+        self.defaults = defaults
+        self.signature = inspect.Signature(params)
+        self.lib = torch.library.Library(namespace, "FRAGMENT")
+        self.hint_specs = (
+            None
+            if self.varargs
+            else specs_from_hints(cls.forward, names, defaults, self.display_name)
+        )
+        self.overloads: dict = {}  # overload name -> Overload
+        self._by_kinds: dict = {}  # kinds_key -> Overload
+        self._single: Optional[Overload] = None  # set when the schema comes from hints
+
+    def __repr__(self):
+        return f"<torch_opaque op {self.namespace}::{self.name} for {self.display_name}>"
+
+    # ---- calling ------------------------------------------------------------------
+
+    def bind(self, args: tuple, kwargs: dict) -> list:
+        """Positional arguments with defaults filled in, in forward's order."""
+        if self.varargs:
+            if kwargs:
+                raise TypeError(f"{self.display_name}.apply takes no keyword arguments")
+            return list(args)
+        if not kwargs and len(args) == len(self.arg_names):
+            return list(args)
+        bound = self.signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        return [bound.arguments[n] for n in self.arg_names]
+
+    def apply(self, *args, **kwargs):
+        values = self.bind(args, kwargs)
+        ov = self._single
+        if ov is None:
+            ov = self._by_kinds.get(kinds_key(values)) or self.overload_for(values)
+        return ov(values)
+
+    # ---- defining overloads ----------------------------------------------------------
+
+    def overload_for(self, values: list) -> Overload:
+        """The overload for these argument values, defining it on first use."""
+        with _LOCK:
+            key = kinds_key(values)
+            ov = self._by_kinds.get(key)
+            if ov is not None:
+                return ov
+            if self.hint_specs is not None:
+                specs, overload = self.hint_specs, ""
+            else:
+                names = (
+                    [f"arg{i}" for i in range(len(values))] if self.varargs else self.arg_names
+                )
+                specs = specs_from_values(names, values, self.defaults, self.display_name)
+                overload = "_".join(s.token for s in specs) or "noargs"
+            ov = self.overloads.get(overload or "default")
+            if ov is None:
+                n_out, returns_tuple = returns_from_hint(self.cls.forward) or self._probe(
+                    specs, values
+                )
+                ov = Overload(self, overload, specs, n_out, returns_tuple)
+                self.overloads[ov.name] = ov
+                if self.hint_specs is not None:
+                    self._single = ov
+            self._by_kinds[key] = ov
+            return ov
+
+    def _probe(self, specs, values) -> tuple:
+        """(number of outputs, returns a tuple) by running forward on fake tensors."""
+        from torch._subclasses.fake_tensor import FakeTensorMode, is_fake
+        from torch.utils._python_dispatch import _disable_current_modes
+
+        def hint(s):
+            if isinstance(s, torch.SymInt):
+                h = s.node.hint
+                return h if h is not None else 2
+            return s
+
+        user_fake = getattr(self.cls, "fake", None)
+        setup = self.cls.setup_context if self.setup_style else None
+        runner = FakeRunner(
+            self.display_name,
+            user_fake or self.cls.forward,
+            setup,
+            specs,
+            n_out=-1,
+            has_user_fake=user_fake is not None,
+        )
+        tracing = any(
+            is_fake(v) for v in _flat_tensors(values)
+        ) or torch._guards.detect_fake_mode() is not None
+
+        with _disable_current_modes(), FakeTensorMode(allow_non_fake_inputs=True):
+
+            def fake(v):
+                if isinstance(v, torch.Tensor):
+                    return torch.empty_strided(
+                        [hint(s) for s in v.shape],
+                        [hint(s) for s in v.stride()],
+                        dtype=v.dtype,
+                        device=v.device,
+                    )
+                if isinstance(v, (list, tuple)) and not isinstance(v, torch.Size):
+                    return type(v)(fake(x) for x in v)
+                if isinstance(v, torch.Size):
+                    return torch.Size(hint(x) for x in v)
+                return hint(v)
+
+            from .context import ForwardContext
+
+            try:
+                out = runner.call_user(
+                    ForwardContext(self.display_name, (False,) * len(values)),
+                    [fake(v) for v in values],
+                )
+            except FakeForwardError as e:
+                if tracing:
+                    raise
+                out = None
+                probe_error = e
+        if out is None:
+            # Eager use of a forward that cannot run on fake tensors: learn the
+            # output structure from one real call (without autograd).
+            with torch.no_grad():
+                try:
+                    out = Runner(
+                        self.display_name, self.cls.forward, setup, specs, -1
+                    ).call_user(ForwardContext(self.display_name, (False,) * len(values)), values)
+                except Exception:
+                    raise probe_error.__cause__
+        outs = out if isinstance(out, tuple) else (out,)
+        for k, o in enumerate(outs):
+            if not isinstance(o, torch.Tensor):
+                raise SchemaError(
+                    f"torch_opaque: {self.display_name}.forward returned a "
+                    f"{type(o).__name__} as output {k}; opaque ops return tensors only. "
+                    f"Return a tensor (e.g. torch.tensor(value)) or keep this Function "
+                    f"unwrapped."
+                )
+        if not outs:
+            raise SchemaError(
+                f"torch_opaque: {self.display_name}.forward returned no tensors; an opaque op "
+                f"needs at least one output."
+            )
+        return len(outs), isinstance(out, tuple)
+
+
+def _flat_tensors(values):
+    for v in values:
+        if isinstance(v, torch.Tensor):
+            yield v
+        elif isinstance(v, (list, tuple)):
+            yield from (x for x in v if isinstance(x, torch.Tensor))
+
+
+# ---- public entry points ------------------------------------------------------------
+
+
+def _patched_apply(cls, *args, **kwargs):
+    fn = _BY_CLASS.get(cls)
+    if fn is None:  # a subclass of a wrapped class: not wrapped itself
+        return _ORIGINAL_APPLY(cls, *args, **kwargs)
+    return fn.apply(*args, **kwargs)
+
+
+_patched_apply.__name__ = "apply"
+
+
+def _check_wrappable(cls) -> None:
+    if not (isinstance(cls, type) and issubclass(cls, torch.autograd.Function)):
+        raise TypeError(
+            f"torch_opaque: expected a torch.autograd.Function subclass, got {cls!r}. "
+            f"Decorate the class itself (not an instance or its apply)."
+        )
+    if cls.backward is torch.autograd.Function.backward:
+        raise TypeError(
+            f"torch_opaque: {cls.__qualname__} defines no backward; an opaque op needs one. "
+            f"Add a backward staticmethod."
+        )
+
+
+def wrap(cls: type, *, name: Optional[str] = None, namespace: str = DEFAULT_NAMESPACE) -> type:
+    """Make ``cls.apply`` call a registered operator; the class body is unchanged.
+
+    For classes you cannot edit (they live in another package)::
+
+        torch_opaque.wrap(their_module.TheirFunction)
+
+    Wrapping twice is harmless; asking for a different name the second time is an
+    error. Returns ``cls``.
+    """
+    _check_wrappable(cls)
+    with _LOCK:
+        existing = _BY_CLASS.get(cls)
+        op_name = name or default_name(cls)
+        if existing is not None:
+            if (name and name != existing.name) or namespace != existing.namespace:
+                raise ValueError(
+                    f"torch_opaque: {cls.__qualname__} is already wrapped as "
+                    f"{existing.namespace}::{existing.name}; it cannot also be "
+                    f"{namespace}::{op_name}. Wrap it once."
+                )
+            return cls
+        other = _BY_OPNAME.get((namespace, op_name))
+        if other is not None:
+            raise ValueError(
+                f"torch_opaque: op name {namespace}::{op_name} is already used by "
+                f"{other.cls.__module__}.{other.cls.__qualname__}; pass a different name= "
+                f"for {cls.__module__}.{cls.__qualname__}."
+            )
+        fn = OpaqueFunction(cls, namespace, op_name)
+        _BY_CLASS[cls] = fn
+        _BY_OPNAME[(namespace, op_name)] = fn
+        cls.apply = classmethod(_patched_apply)
+    return cls
+
+
+def op(cls: Optional[type] = None, *, name: Optional[str] = None, namespace: str = DEFAULT_NAMESPACE):
+    """Class decorator: ``@torch_opaque.op`` or ``@torch_opaque.op(name=..., namespace=...)``.
+
+    Afterwards ``Cls.apply(...)`` runs ``torch.ops.<namespace>.<name>`` and every
+    export path keeps it as one node.
+    """
+    if cls is None:
+        return lambda c: wrap(c, name=name, namespace=namespace)
+    return wrap(cls, name=name, namespace=namespace)
+
+
+def lookup(cls: type) -> Optional[OpaqueFunction]:
+    """The OpaqueFunction of a wrapped class, or None."""
+    return _BY_CLASS.get(cls)
+
+
+def is_wrapped(cls: type) -> bool:
+    return cls in _BY_CLASS

@@ -1,0 +1,247 @@
+"""Python kernels that run a wrapped Function's forward and backward.
+
+The C++ core calls these through its Python bridge (Note [Python kernels]
+in csrc/python/python_kernel.h); the same functions, on fake tensors, are the
+ops' fake kernels. A forward kernel returns the outputs followed by the list
+of residual tensors, and reports the rest of ctx through
+``_C.set_forward_record`` (Note [Forward record] in
+include/torch_opaque/forward_record.h).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import torch
+
+from . import _C
+from .context import BackwardContext, ForwardContext, decode_state, encode_state
+from .context import user_attributes
+
+_is_alias_of = torch._C._is_alias_of
+
+
+class FakeForwardError(RuntimeError):
+    """The forward cannot run on fake tensors and no ``fake`` was given."""
+
+
+def fake_forward_error(fn_name: str, err: BaseException) -> FakeForwardError:
+    return FakeForwardError(
+        f"torch_opaque: {fn_name}.forward cannot run on fake tensors while tracing "
+        f"({type(err).__name__}: {err}). Tracing (torch.export, torch.compile) needs the "
+        f"output shapes without real data: add a `fake` staticmethod to {fn_name} with the "
+        f"same signature as forward that computes outputs of the right shape and dtype "
+        f"(and saves the same tensors), e.g.\n"
+        f"    @staticmethod\n"
+        f"    def fake(ctx, x):\n"
+        f"        ctx.save_for_backward(x)\n"
+        f"        return torch.empty_like(x)"
+    )
+
+
+class Runner:
+    """Calls the user's forward (or fake) with a ForwardContext."""
+
+    def __init__(self, fn_name: str, forward: Callable, setup_context, specs, n_out: int):
+        self.fn_name = fn_name
+        self.forward = forward
+        self.setup_context = setup_context
+        self.n_args = len(specs)
+        self.n_out = n_out
+        self.convs = [(i, s.convert) for i, s in enumerate(specs) if s.convert]
+        self.tensor_pos = [i for i, s in enumerate(specs) if s.is_tensor]
+        self.list_pos = [i for i, s in enumerate(specs) if s.type.startswith("Tensor[")]
+        self.no_grad = (False,) * self.n_args
+
+    def call_user(self, ctx, args):
+        prev = torch.is_grad_enabled()
+        torch._C._set_grad_enabled(False)
+        try:
+            if self.setup_context is None:
+                out = self.forward(ctx, *args)
+            else:
+                out = self.forward(*args)
+                self.setup_context(ctx, tuple(args), out)
+        finally:
+            torch._C._set_grad_enabled(prev)
+        return out
+
+    def outputs(self, out) -> tuple:
+        outs = out if isinstance(out, tuple) else (out,)
+        if len(outs) != self.n_out:
+            raise RuntimeError(
+                f"torch_opaque: {self.fn_name}.forward returned {len(outs)} outputs, but its "
+                f"op was defined with {self.n_out} (from the first call or the return "
+                f"annotation). A wrapped Function must always return the same number of "
+                f"tensors for the same kinds of arguments."
+            )
+        for k, o in enumerate(outs):
+            if not isinstance(o, torch.Tensor):
+                raise TypeError(
+                    f"torch_opaque: {self.fn_name}.forward returned a {type(o).__name__} as "
+                    f"output {k}; opaque ops return tensors only. Return a tensor (e.g. "
+                    f"torch.tensor(value)) or keep this Function unwrapped."
+                )
+        return outs
+
+    def __call__(self, *args):
+        needs = _C.take_needs_input_grad()
+        if self.convs:
+            args = list(args)
+            for i, conv in self.convs:
+                if args[i] is not None:
+                    args[i] = conv(args[i])
+        ctx = ForwardContext(self.fn_name, needs if needs is not None else self.no_grad)
+        outs = self.outputs(self.call_user(ctx, args))
+        inputs = [args[i] for i in self.tensor_pos if args[i] is not None]
+        for i in self.list_pos:
+            inputs.extend(args[i])
+        outs = _unalias(outs, inputs)
+        if needs is None:
+            return (*outs, [])
+        return (*outs, self.record(ctx, args, outs))
+
+    def record(self, ctx: ForwardContext, args: Sequence[Any], outs: tuple) -> list:
+        refs = {}
+        for i in self.tensor_pos:
+            t = args[i]
+            if t is not None:
+                refs.setdefault(id(t), (1, i, 0))
+        for i in self.list_pos:
+            for j, t in enumerate(args[i]):
+                refs.setdefault(id(t), (2, i, j))
+        for k, o in enumerate(outs):
+            refs[id(o)] = (3, k, 0)
+        saved = list(ctx._to_save)
+        attrs = user_attributes(ctx)
+        state, ints = encode_state(self.fn_name, attrs, saved) if attrs else ("", [])
+        spec: list = []
+        residuals: list = []
+        for t in saved:
+            if t is None:
+                spec += (0, 0, 0)
+                continue
+            ref = refs.get(id(t))
+            if ref is None:
+                # A residual is an op output: it must not alias an input or output.
+                if any(_is_alias_of(t, x) for x in (*args_tensors(args, self), *outs)):
+                    t = t.clone()
+                ref = (4, len(residuals), 0)
+                refs[id(t)] = ref
+                residuals.append(t)
+            spec += ref
+        non_diff = []
+        if ctx._non_diff:
+            non_diff = [any(o is t for t in ctx._non_diff) for o in outs]
+        _C.set_forward_record(spec, non_diff, ctx._materialize, state, ints)
+        return residuals
+
+
+def args_tensors(args, runner: Runner):
+    for i in runner.tensor_pos:
+        if args[i] is not None:
+            yield args[i]
+    for i in runner.list_pos:
+        yield from args[i]
+
+
+def _unalias(outs: tuple, inputs: list) -> tuple:
+    """Operator outputs may not alias inputs or each other: copy those that do."""
+    fixed = None
+    for k, o in enumerate(outs):
+        others = outs[:k]
+        if any(_is_alias_of(o, x) for x in inputs) or any(_is_alias_of(o, x) for x in others):
+            if fixed is None:
+                fixed = list(outs)
+            fixed[k] = o.clone()
+    return outs if fixed is None else tuple(fixed)
+
+
+class FakeRunner(Runner):
+    """The forward on fake tensors: the user's ``fake`` if given, else forward."""
+
+    def __init__(self, *a, has_user_fake: bool, **k):
+        super().__init__(*a, **k)
+        self.has_user_fake = has_user_fake
+
+    def call_user(self, ctx, args):
+        try:
+            return super().call_user(ctx, args)
+        except FakeForwardError:
+            raise
+        except Exception as e:
+            if self.has_user_fake:
+                raise
+            raise fake_forward_error(self.fn_name, e) from e
+
+
+class InferenceFake:
+    """Fake kernel of the main op: outputs only."""
+
+    def __init__(self, runner: FakeRunner):
+        self.runner = runner
+
+    def __call__(self, *args):
+        outs = self.runner(*args)[:-1]
+        return outs[0] if len(outs) == 1 else outs
+
+
+class BackwardRunner:
+    """Calls the user's backward with a BackwardContext."""
+
+    def __init__(self, fn_name: str, backward: Callable, specs):
+        self.fn_name = fn_name
+        self.backward = backward
+        self.specs = specs
+        self.n_args = len(specs)
+
+    def __call__(self, saved, grads, needs_input_grad, state, state_ints):
+        if state:
+            n_explicit, attrs = decode_state(state, saved, state_ints)
+            saved = saved[:n_explicit]
+        else:
+            attrs = {}
+        ctx = BackwardContext(self.fn_name, tuple(saved), tuple(needs_input_grad), attrs)
+        res = self.backward(ctx, *grads)
+        if not isinstance(res, tuple):
+            res = (res,)
+        if len(res) != self.n_args:
+            if len(res) > self.n_args and all(r is None for r in res[self.n_args :]):
+                res = res[: self.n_args]
+            else:
+                raise RuntimeError(
+                    f"torch_opaque: {self.fn_name}.backward returned an incorrect number of "
+                    f"gradients (expected {self.n_args}, got {len(res)}). Return one "
+                    f"gradient (or None) per forward argument."
+                )
+        for i, g in enumerate(res):
+            if g is None:
+                continue
+            spec = self.specs[i]
+            if not spec.is_tensor:
+                raise RuntimeError(
+                    f"torch_opaque: {self.fn_name}.backward returned a gradient different "
+                    f"than None at position {i + 1}, but the corresponding forward input "
+                    f"'{spec.name}' is not a Tensor. Return None there."
+                )
+            if not isinstance(g, torch.Tensor):
+                raise TypeError(
+                    f"torch_opaque: {self.fn_name}.backward returned a {type(g).__name__} at "
+                    f"position {i + 1}; gradients must be tensors or None."
+                )
+        return (list(res),)
+
+
+def make_backward_fake(runner: BackwardRunner, fn_name: str) -> Callable:
+    def fake_backward(saved, grads, needs_input_grad, state, state_ints):
+        try:
+            return runner(saved, grads, needs_input_grad, state, state_ints)[0]
+        except Exception as e:
+            raise RuntimeError(
+                f"torch_opaque: {fn_name}.backward cannot run on fake tensors while tracing "
+                f"a training graph ({type(e).__name__}: {e}). Write the backward with "
+                f"torch operations (no numpy, .item() or data-dependent Python), or trace "
+                f"for inference only (torch.no_grad / torch.export)."
+            ) from e
+
+    return fake_backward

@@ -1,0 +1,233 @@
+"""Schema inference for autograd.Function forwards.
+
+A forward's arguments are described either by its type hints (all of them
+annotated) or by the values of a call. Each argument becomes an
+:class:`ArgSpec`: the schema type, a short token used in overload names, a
+converter from what the dispatcher hands a kernel back to what the user's
+forward expects (``SymInt[]`` comes back as a list, a ``torch.Size`` argument
+wants a Size), and an optional default.
+
+Example::
+
+    >>> import torch
+    >>> from torch_opaque.schema import specs_from_values
+    >>> [s.decl for s in specs_from_values(["x", "alpha"], [torch.ones(2), 0.5], {})]
+    ['Tensor x', 'float alpha']
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import typing
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+
+SUPPORTED = (
+    "Tensor, Optional[Tensor], list/tuple of Tensors, int/SymInt, float, bool, str, None, "
+    "lists of int/float/bool, torch.dtype, torch.device, torch.Size"
+)
+
+
+class SchemaError(TypeError):
+    """An argument or output that an opaque op cannot carry."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ArgSpec:
+    name: str
+    type: str  # schema type, e.g. "Tensor?", "SymInt[]"
+    token: str  # used in overload names
+    convert: Optional[Callable[[Any], Any]] = None  # kernel value -> forward value
+    default: Any = inspect.Parameter.empty
+
+    @property
+    def is_tensor(self) -> bool:
+        return self.type in ("Tensor", "Tensor?")
+
+    @property
+    def decl(self) -> str:
+        text = f"{self.type} {self.name}"
+        literal = _default_literal(self.default)
+        return text if literal is None else f"{text}={literal}"
+
+
+def _default_literal(value: Any) -> Optional[str]:
+    if value is inspect.Parameter.empty:
+        return None
+    if value is None:
+        return "None"
+    if isinstance(value, bool):
+        return "True" if value else "False"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, str) and value.isidentifier():
+        return f'"{value}"'
+    if isinstance(value, (list, tuple)) and all(
+        isinstance(v, (int, float)) and not isinstance(v, bool) for v in value
+    ):
+        return "[" + ", ".join(repr(v) for v in value) + "]"
+    return None  # still filled in by apply(); just not shown in the schema
+
+
+# ---- converters --------------------------------------------------------------
+
+
+def _to_tuple(v):
+    return tuple(v)
+
+
+def _to_size(v):
+    return torch.Size(v)
+
+
+def _to_optional_tuple(v):
+    return None if v is None else tuple(v)
+
+
+# ---- from values ---------------------------------------------------------------
+
+_SCALARS = {
+    bool: ("bool", "bool"),
+    int: ("SymInt", "int"),
+    float: ("float", "float"),
+    str: ("str", "str"),
+    torch.SymInt: ("SymInt", "int"),
+    torch.SymFloat: ("float", "float"),
+    torch.SymBool: ("bool", "bool"),
+    torch.dtype: ("ScalarType", "dtype"),
+    torch.device: ("Device", "device"),
+}
+
+
+def _spec_from_value(fn_name: str, name: str, value: Any, default: Any) -> ArgSpec:
+    if isinstance(value, torch.Tensor):
+        return ArgSpec(name, "Tensor", "Tensor", None, default)
+    if value is None:
+        return ArgSpec(name, "Tensor?", "None", None, default)
+    if type(value) in _SCALARS:
+        typ, tok = _SCALARS[type(value)]
+        return ArgSpec(name, typ, tok, None, default)
+    if isinstance(value, torch.Size):
+        return ArgSpec(name, "SymInt[]", "size", _to_size, default)
+    if isinstance(value, (list, tuple)):
+        is_tuple = isinstance(value, tuple)
+        conv = _to_tuple if is_tuple else None
+        prefix = "t" if is_tuple else ""
+        items = list(value)
+        if items and all(isinstance(v, torch.Tensor) for v in items):
+            return ArgSpec(name, "Tensor[]", prefix + "Tensors", conv, default)
+        if all(isinstance(v, (bool, torch.SymBool)) for v in items) and items:
+            return ArgSpec(name, "bool[]", prefix + "bools", conv, default)
+        if all(
+            isinstance(v, (int, torch.SymInt)) and not isinstance(v, bool) for v in items
+        ):
+            return ArgSpec(name, "SymInt[]", prefix + "ints", conv, default)
+        if all(
+            isinstance(v, (int, float, torch.SymInt, torch.SymFloat))
+            and not isinstance(v, bool)
+            for v in items
+        ):
+            return ArgSpec(name, "float[]", prefix + "floats", conv, default)
+        raise SchemaError(
+            f"{fn_name}: argument '{name}' is a {type(value).__name__} mixing "
+            f"{sorted({type(v).__name__ for v in items})}; torch_opaque supports {SUPPORTED}. "
+            f"Pass a list of one kind, or keep this Function unwrapped."
+        )
+    raise SchemaError(
+        f"{fn_name}: argument '{name}' has type {type(value).__name__}, which an operator "
+        f"schema cannot carry; torch_opaque supports {SUPPORTED}. Pass it as one of "
+        f"those, or keep this Function unwrapped."
+    )
+
+
+def specs_from_values(
+    names: Sequence[str], values: Sequence[Any], defaults: dict, fn_name: str = "forward"
+) -> list:
+    return [
+        _spec_from_value(fn_name, n, v, defaults.get(n, inspect.Parameter.empty))
+        for n, v in zip(names, values)
+    ]
+
+
+def kinds_key(values: Sequence[Any]) -> tuple:
+    """A cheap key that tells apart calls needing different overloads."""
+    return tuple(
+        (type(v), tuple(map(type, v))) if type(v) in (list, tuple) else type(v)
+        for v in values
+    )
+
+
+# ---- from type hints --------------------------------------------------------------
+
+_HINT_SCALARS = {
+    torch.Tensor: ("Tensor", None),
+    int: ("SymInt", None),
+    torch.SymInt: ("SymInt", None),
+    float: ("float", None),
+    bool: ("bool", None),
+    str: ("str", None),
+    torch.dtype: ("ScalarType", None),
+    torch.device: ("Device", None),
+    torch.Size: ("SymInt[]", _to_size),
+}
+_HINT_ELEMS = {torch.Tensor: "Tensor", int: "SymInt", float: "float", bool: "bool"}
+
+
+def _spec_from_hint(fn_name: str, name: str, hint: Any, default: Any) -> ArgSpec:
+    origin = typing.get_origin(hint)
+    targs = typing.get_args(hint)
+    if hint in _HINT_SCALARS:
+        typ, conv = _HINT_SCALARS[hint]
+        return ArgSpec(name, typ, typ, conv, default)
+    if origin is typing.Union and len(targs) == 2 and type(None) in targs:
+        inner = targs[0] if targs[1] is type(None) else targs[1]
+        base = _spec_from_hint(fn_name, name, inner, default)
+        if base.type.endswith("?"):
+            return base
+        conv = base.convert
+        if conv is _to_tuple:
+            conv = _to_optional_tuple
+        return ArgSpec(name, base.type + "?", base.token, conv, default)
+    if origin in (list, tuple, typing.Sequence) or origin is getattr(
+        __import__("collections.abc").abc, "Sequence"
+    ):
+        elems = [a for a in targs if a is not Ellipsis]
+        if len(set(elems)) == 1 and elems[0] in _HINT_ELEMS:
+            conv = _to_tuple if origin is tuple else None
+            return ArgSpec(name, _HINT_ELEMS[elems[0]] + "[]", "list", conv, default)
+    raise SchemaError(
+        f"{fn_name}: argument '{name}' is annotated as {hint!r}, which an operator schema "
+        f"cannot carry; torch_opaque supports {SUPPORTED}. Change the annotation, or "
+        f"remove the annotations to infer the schema from the first call."
+    )
+
+
+def specs_from_hints(forward: Callable, names: Sequence[str], defaults: dict, fn_name: str):
+    """Specs from type hints, or None when some argument is not annotated."""
+    try:
+        hints = typing.get_type_hints(forward)
+    except Exception:
+        return None
+    if not all(n in hints for n in names):
+        return None
+    return [
+        _spec_from_hint(fn_name, n, hints[n], defaults.get(n, inspect.Parameter.empty))
+        for n in names
+    ]
+
+
+def returns_from_hint(forward: Callable) -> Optional[tuple]:
+    """(number of outputs, whether forward returns a tuple) from the return hint."""
+    try:
+        hint = typing.get_type_hints(forward).get("return")
+    except Exception:
+        return None
+    if hint is torch.Tensor:
+        return (1, False)
+    if typing.get_origin(hint) is tuple:
+        targs = typing.get_args(hint)
+        if targs and Ellipsis not in targs and all(a is torch.Tensor for a in targs):
+            return (len(targs), True)
+    return None
