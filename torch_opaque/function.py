@@ -236,21 +236,17 @@ class OpaqueFunction:
                     ForwardContext(self.display_name, (False,) * len(values)),
                     [fake(v) for v in values],
                 )
-            except FakeForwardError as e:
+            except FakeForwardError:
                 if tracing:
                     raise
                 out = None
-                probe_error = e
         if out is None:
             # Eager use of a forward that cannot run on fake tensors: learn the
             # output structure from one real call (without autograd).
             with torch.no_grad():
-                try:
-                    out = Runner(
-                        self.display_name, self.cls.forward, setup, specs, -1
-                    ).call_user(ForwardContext(self.display_name, (False,) * len(values)), values)
-                except Exception:
-                    raise probe_error.__cause__
+                out = Runner(self.display_name, self.cls.forward, setup, specs, -1).call_user(
+                    ForwardContext(self.display_name, (False,) * len(values)), values
+                )
         outs = out if isinstance(out, tuple) else (out,)
         for k, o in enumerate(outs):
             if not isinstance(o, torch.Tensor):
