@@ -5,6 +5,7 @@
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/functions/basic_ops.h>
 #include <torch/csrc/autograd/functions/utils.h>
 #include <torch/csrc/autograd/grad_mode.h>
 #include <torch/csrc/autograd/saved_variable.h>
@@ -74,8 +75,8 @@ class OpaqueBackward final : public Node {
 
     torch::jit::Stack stack;
     stack.reserve(5);
-    stack.emplace_back(std::move(saved_list));
-    stack.emplace_back(std::move(grad_list));
+    stack.emplace_back(saved_list);
+    stack.emplace_back(grad_list);
     stack.emplace_back(std::move(needs));
     stack.emplace_back(state_);
     stack.emplace_back(c10::SymIntArrayRef(state_ints_));
@@ -91,7 +92,44 @@ class OpaqueBackward final : public Node {
       std::optional<at::Tensor> g = result.get(edge_args_[e]);
       if (g.has_value()) out[e] = std::move(*g);
     }
+    if (at::GradMode::is_enabled()) guard_double_backward(stack_inputs(saved_list, grad_list), out);
     return out;
+  }
+
+  // Note [Double backward]
+  // `_bwd` is itself opaque and has no derivative. With create_graph=True the
+  // gradients it returns get an Error node, so differentiating them again
+  // fails with a message naming the op instead of silently giving zero.
+  // (Gradients are fresh tensors: kernels must not return their inputs.)
+  void guard_double_backward(const std::vector<at::Tensor>& inputs, variable_list& out) {
+    std::vector<at::Tensor> diff;
+    for (const auto& t : inputs) {
+      if (t.requires_grad()) diff.push_back(t);
+    }
+    if (diff.empty()) return;
+    auto err = c10::make_intrusive<torch::autograd::Error>(
+        "derivative for " + op_->definition().ns + "::" + op_->definition().name +
+            "_bwd is not implemented: double backward through an opaque op is not "
+            "supported. Differentiate once, or keep this Function unwrapped.",
+        torch::autograd::collect_next_edges(diff));
+    for (auto& g : out) {
+      if (g.defined() && torch::autograd::isDifferentiableType(g.scalar_type())) {
+        torch::autograd::set_history(g, err);
+      }
+    }
+  }
+
+  static std::vector<at::Tensor> stack_inputs(
+      const c10::List<std::optional<at::Tensor>>& a,
+      const c10::List<std::optional<at::Tensor>>& b) {
+    std::vector<at::Tensor> v;
+    for (const auto& l : {a, b}) {
+      for (size_t i = 0; i < l.size(); ++i) {
+        std::optional<at::Tensor> t = l.get(i);
+        if (t.has_value() && t->defined()) v.push_back(*t);
+      }
+    }
+    return v;
   }
 
   void release_variables() override {

@@ -214,6 +214,7 @@ class BackwardRunner:
                     f"gradients (expected {self.n_args}, got {len(res)}). Return one "
                     f"gradient (or None) per forward argument."
                 )
+        inputs = [t for t in (*saved, *grads) if t is not None]
         for i, g in enumerate(res):
             if g is None:
                 continue
@@ -229,6 +230,8 @@ class BackwardRunner:
                     f"torch_opaque: {self.fn_name}.backward returned a {type(g).__name__} at "
                     f"position {i + 1}; gradients must be tensors or None."
                 )
+        # Op outputs must not alias op inputs (a backward often returns grad itself).
+        res = _unalias(res, inputs)
         return (list(res),)
 
 
