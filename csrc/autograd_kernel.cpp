@@ -170,6 +170,11 @@ void AutogradKernel::operator()(const c10::OperatorHandle& handle,
       if (args[i].isTensor()) {
         edge_args.push_back(i);
         const at::Tensor& t = args[i].toTensor();
+        TORCH_CHECK(!t.defined() || !t._fw_grad(/*level=*/0).defined(),
+                    op->qualified_name(),
+                    ": forward-mode AD (dual tensors, jvp) through an opaque op is not "
+                    "supported; opaque ops carry reverse-mode gradients only. Compute the "
+                    "jvp with reverse mode (torch.func.vjp) or keep this Function unwrapped.");
         if (grad_on && t.defined() && t.requires_grad()) {
           needs[i] = true;
           any = true;

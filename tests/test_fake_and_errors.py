@@ -235,3 +235,12 @@ def test_double_backward_is_refused_clearly():
     torch.testing.assert_close(g, 2 * x.detach())
     with pytest.raises(RuntimeError, match="derivative for opaque::Square_bwd is not implemented"):
         g.sum().backward()
+
+
+def test_forward_mode_ad_is_refused_clearly():
+    import torch.autograd.forward_ad as fwAD
+
+    with fwAD.dual_level():
+        dual = fwAD.make_dual(torch.randn(3), torch.ones(3))
+        with pytest.raises(RuntimeError, match="forward-mode AD .* through an opaque op is not supported"):
+            Square.apply(dual)

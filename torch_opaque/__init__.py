@@ -13,10 +13,9 @@
 import torch  # noqa: F401  (loads libtorch before the extension)
 
 from . import _C  # noqa: F401
-from .auto import auto, export
+from .auto_mode import auto, export
 from .function import DEFAULT_NAMESPACE, OpaqueFunction, is_wrapped, lookup, op, wrap
-from .kernels import FakeForwardError
-from .schema import SchemaError
+from .errors import FakeForwardError, SchemaError, UnsupportedError
 from . import dynamo_hook as _dynamo_hook
 
 _dynamo_hook.install()
@@ -33,5 +32,6 @@ __all__ = [
     "OpaqueFunction",
     "SchemaError",
     "FakeForwardError",
+    "UnsupportedError",
     "DEFAULT_NAMESPACE",
 ]

@@ -23,6 +23,8 @@ from typing import Any
 
 import torch
 
+from .errors import UnsupportedError
+
 _INTERNAL = frozenset(
     {
         "_to_save",
@@ -48,7 +50,7 @@ class ForwardContext:
     def save_for_backward(self, *tensors):
         for i, t in enumerate(tensors):
             if t is not None and not isinstance(t, torch.Tensor):
-                raise TypeError(
+                raise UnsupportedError(
                     f"{self._fn_name}: save_for_backward can only save tensors or None, "
                     f"but argument {i} is a {type(t).__name__}. Store other values as "
                     f"ctx attributes (ctx.name = value)."
@@ -56,10 +58,9 @@ class ForwardContext:
         self._to_save = tensors
 
     def save_for_forward(self, *tensors):
-        raise NotImplementedError(
-            f"{self._fn_name}: forward-mode AD (save_for_forward / jvp) is not supported by "
-            f"torch_opaque ops yet. Leave this Function unwrapped if you need jvp."
-        )
+        # Only jvp reads these; opaque ops carry reverse-mode AD only, and
+        # forward-mode AD through them fails with a clear error (Autograd kernel).
+        pass
 
     def mark_non_differentiable(self, *tensors):
         self._non_diff = self._non_diff + tensors
@@ -68,7 +69,7 @@ class ForwardContext:
         self._materialize = bool(value)
 
     def mark_dirty(self, *tensors):
-        raise RuntimeError(
+        raise UnsupportedError(
             f"{self._fn_name}: ctx.mark_dirty() (an in-place Function) is not supported by "
             f"torch_opaque: an operator that mutates its input needs a mutable schema. "
             f"Return a new tensor instead of modifying the input, or keep this Function "
@@ -135,12 +136,12 @@ class _Encoder:
         if isinstance(v, (list, tuple)):
             items = tuple(self(name, x) for x in v)
             if any(isinstance(x, tuple) and x and x[0] == "T" for x in items):
-                raise TypeError(
+                raise UnsupportedError(
                     f"{self.fn_name}: ctx.{name} holds tensors inside a "
                     f"{type(v).__name__}; save them with ctx.save_for_backward(...) instead."
                 )
             return ("L" if isinstance(v, list) else "U", items)
-        raise TypeError(
+        raise UnsupportedError(
             f"{self.fn_name}: ctx.{name} holds a {type(v).__name__}, which cannot be passed "
             f"to the backward op. Keep tensors in ctx.save_for_backward(...) and other state "
             f"as int, float, bool, str, None, torch.dtype, torch.device, torch.Size or "

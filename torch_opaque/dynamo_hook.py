@@ -75,16 +75,22 @@ def install() -> None:
         from torch._dynamo.variables.misc import AutogradFunctionVariable
     except Exception:  # pragma: no cover - Dynamo unavailable
         return
-    from . import auto as auto_mode
-    from .function import lookup
+    from . import auto_mode
+    from .errors import SchemaError
 
     original = AutogradFunctionVariable.call_apply
 
     def call_apply(self, tx, args, kwargs):
-        fn = lookup(self.fn_cls) or auto_mode.wrap_if_auto(self.fn_cls)
+        fn = auto_mode.routed(self.fn_cls)
         if fn is None:
             return original(self, tx, args, kwargs)
-        return _call_op(fn, tx, args, kwargs)
+        try:
+            return _call_op(fn, tx, args, kwargs)
+        except SchemaError as e:
+            if fn.explicit:
+                raise
+            auto_mode.warn_unwrapped(self.fn_cls, str(e))
+            return original(self, tx, args, kwargs)
 
     AutogradFunctionVariable.call_apply = call_apply
     _installed = True

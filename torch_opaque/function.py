@@ -31,8 +31,8 @@ import torch
 from torch.autograd.function import _is_setup_context_defined
 
 from . import _C
-from .kernels import BackwardRunner, FakeRunner, InferenceFake, Runner, fake_forward_error
-from .kernels import FakeForwardError, make_backward_fake
+from .errors import FakeForwardError
+from .kernels import BackwardRunner, FakeRunner, InferenceFake, Runner, make_backward_fake
 from .schema import SchemaError, kinds_key, returns_from_hint, specs_from_hints
 from .schema import specs_from_values
 
@@ -101,6 +101,7 @@ class OpaqueFunction:
         self.namespace = namespace
         self.name = name
         self.display_name = cls.__qualname__
+        self.explicit = True  # False while only auto mode routes calls to the op
         self.setup_style = _is_setup_context_defined(cls.setup_context)
         params = list(inspect.signature(cls.forward).parameters.values())
         if not self.setup_style:
@@ -235,6 +236,7 @@ class OpaqueFunction:
                 out = runner.call_user(
                     ForwardContext(self.display_name, (False,) * len(values)),
                     [fake(v) for v in values],
+                    grad_off=False,
                 )
             except FakeForwardError:
                 if tracing:
@@ -298,7 +300,13 @@ def _check_wrappable(cls) -> None:
         )
 
 
-def wrap(cls: type, *, name: Optional[str] = None, namespace: str = DEFAULT_NAMESPACE) -> type:
+def wrap(
+    cls: type,
+    *,
+    name: Optional[str] = None,
+    namespace: str = DEFAULT_NAMESPACE,
+    _patch_apply: bool = True,
+) -> type:
     """Make ``cls.apply`` call a registered operator; the class body is unchanged.
 
     For classes you cannot edit (they live in another package)::
@@ -319,6 +327,9 @@ def wrap(cls: type, *, name: Optional[str] = None, namespace: str = DEFAULT_NAME
                     f"{existing.namespace}::{existing.name}; it cannot also be "
                     f"{namespace}::{op_name}. Wrap it once."
                 )
+            if _patch_apply and not existing.explicit:
+                existing.explicit = True
+                cls.apply = classmethod(_patched_apply)
             return cls
         other = _BY_OPNAME.get((namespace, op_name))
         if other is not None:
@@ -330,7 +341,9 @@ def wrap(cls: type, *, name: Optional[str] = None, namespace: str = DEFAULT_NAME
         fn = OpaqueFunction(cls, namespace, op_name)
         _BY_CLASS[cls] = fn
         _BY_OPNAME[(namespace, op_name)] = fn
-        cls.apply = classmethod(_patched_apply)
+        fn.explicit = _patch_apply
+        if _patch_apply:
+            cls.apply = classmethod(_patched_apply)
     return cls
 
 
@@ -346,9 +359,11 @@ def op(cls: Optional[type] = None, *, name: Optional[str] = None, namespace: str
 
 
 def lookup(cls: type) -> Optional[OpaqueFunction]:
-    """The OpaqueFunction of a wrapped class, or None."""
+    """The OpaqueFunction of a class wrapped explicitly or met in auto mode, or None."""
     return _BY_CLASS.get(cls)
 
 
 def is_wrapped(cls: type) -> bool:
-    return cls in _BY_CLASS
+    """Whether ``cls.apply`` always runs its op (torch_opaque.op / wrap)."""
+    fn = _BY_CLASS.get(cls)
+    return fn is not None and fn.explicit

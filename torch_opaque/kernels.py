@@ -10,6 +10,7 @@ include/torch_opaque/forward_record.h).
 
 from __future__ import annotations
 
+import inspect
 from typing import Any, Callable, Sequence
 
 import torch
@@ -17,12 +18,11 @@ import torch
 from . import _C
 from .context import BackwardContext, ForwardContext, decode_state, encode_state
 from .context import user_attributes
+from .errors import FakeForwardError, SchemaError, UnsupportedError
 
 _is_alias_of = torch._C._is_alias_of
 
 
-class FakeForwardError(RuntimeError):
-    """The forward cannot run on fake tensors and no ``fake`` was given."""
 
 
 def fake_forward_error(fn_name: str, err: BaseException) -> FakeForwardError:
@@ -46,6 +46,7 @@ class Runner:
         self.fn_name = fn_name
         self.forward = forward
         self.setup_context = setup_context
+        self.specs = specs
         self.n_args = len(specs)
         self.n_out = n_out
         self.convs = [(i, s.convert) for i, s in enumerate(specs) if s.convert]
@@ -53,17 +54,21 @@ class Runner:
         self.list_pos = [i for i, s in enumerate(specs) if s.type.startswith("Tensor[")]
         self.no_grad = (False,) * self.n_args
 
-    def call_user(self, ctx, args):
+    def call_user(self, ctx, args, grad_off=True):
+        if not grad_off:  # the schema probe: fake inputs never require grad
+            return self._call(ctx, args)
         prev = torch.is_grad_enabled()
         torch._C._set_grad_enabled(False)
         try:
-            if self.setup_context is None:
-                out = self.forward(ctx, *args)
-            else:
-                out = self.forward(*args)
-                self.setup_context(ctx, tuple(args), out)
+            return self._call(ctx, args)
         finally:
             torch._C._set_grad_enabled(prev)
+
+    def _call(self, ctx, args):
+        if self.setup_context is None:
+            return self.forward(ctx, *args)
+        out = self.forward(*args)
+        self.setup_context(ctx, tuple(args), out)
         return out
 
     def outputs(self, out) -> tuple:
@@ -77,15 +82,17 @@ class Runner:
             )
         for k, o in enumerate(outs):
             if not isinstance(o, torch.Tensor):
-                raise TypeError(
+                raise SchemaError(
                     f"torch_opaque: {self.fn_name}.forward returned a {type(o).__name__} as "
                     f"output {k}; opaque ops return tensors only. Return a tensor (e.g. "
                     f"torch.tensor(value)) or keep this Function unwrapped."
                 )
         return outs
 
-    def __call__(self, *args):
+    def __call__(self, *args, **kwargs):
         needs = _C.take_needs_input_grad()
+        if kwargs or len(args) != self.n_args:
+            args = self.complete(args, kwargs)
         if self.convs:
             args = list(args)
             for i, conv in self.convs:
@@ -100,6 +107,19 @@ class Runner:
         if needs is None:
             return (*outs, [])
         return (*outs, self.record(ctx, args, outs))
+
+    def complete(self, args, kwargs) -> list:
+        """All arguments by position: callers (fake-kernel dispatch, torch.ops with
+        keywords) may pass some by keyword or leave schema defaults out."""
+        args = list(args)
+        for spec in self.specs[len(args) :]:
+            if spec.name in kwargs:
+                args.append(kwargs[spec.name])
+            elif spec.default is not inspect.Parameter.empty:
+                args.append(spec.default)
+            else:
+                raise TypeError(f"{self.fn_name}: missing argument '{spec.name}'")
+        return args
 
     def record(self, ctx: ForwardContext, args: Sequence[Any], outs: tuple) -> list:
         refs = {}
@@ -164,10 +184,10 @@ class FakeRunner(Runner):
         super().__init__(*a, **k)
         self.has_user_fake = has_user_fake
 
-    def call_user(self, ctx, args):
+    def call_user(self, ctx, args, grad_off=True):
         try:
-            return super().call_user(ctx, args)
-        except FakeForwardError:
+            return super().call_user(ctx, args, grad_off)
+        except (FakeForwardError, SchemaError, UnsupportedError):
             raise
         except Exception as e:
             if self.has_user_fake:

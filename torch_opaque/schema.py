@@ -30,8 +30,7 @@ SUPPORTED = (
 )
 
 
-class SchemaError(TypeError):
-    """An argument or output that an opaque op cannot carry."""
+from .errors import SchemaError  # noqa: E402,F401
 
 
 @dataclasses.dataclass(frozen=True)

@@ -30,6 +30,7 @@ from typing import Optional
 import torch
 
 from . import function as _function
+from .errors import SchemaError
 
 _state = threading.local()
 _lock = threading.Lock()
@@ -47,44 +48,51 @@ def eligible(cls: type) -> Optional[str]:
         return "it belongs to PyTorch"
     if cls.backward is torch.autograd.Function.backward:
         return "it defines no backward"
-    if cls.jvp is not torch.autograd.Function.jvp:
-        return "it defines jvp (forward-mode AD), which opaque ops do not carry"
     return None
 
 
-def wrap_if_auto(cls: type):
-    """The OpaqueFunction for ``cls`` if auto mode is active and may wrap it."""
+def routed(cls: type):
+    """The OpaqueFunction that a call of ``cls.apply`` runs now, or None."""
+    fn = _function.lookup(cls)
+    if fn is not None and (fn.explicit or active()):
+        return fn
     if not active():
         return None
-    fn = _function.lookup(cls)
-    if fn is not None:
-        return fn
     reason = eligible(cls)
     if reason is None:
         try:
-            _function.wrap(cls)
+            _function.wrap(cls, _patch_apply=False)
             return _function.lookup(cls)
         except Exception as e:  # schema, naming
             reason = str(e)
-    if module_is_user(cls):
-        warnings.warn(
-            f"torch_opaque.auto(): {cls.__qualname__} stays an ordinary autograd.Function "
-            f"(inlined by export) because {reason}.",
-            stacklevel=3,
-        )
+    warn_unwrapped(cls, reason)
     return None
 
 
-def module_is_user(cls) -> bool:
-    m = getattr(cls, "__module__", "") or ""
-    return not (m == "torch" or m.startswith("torch."))
+def warn_unwrapped(cls: type, reason: str) -> None:
+    module = getattr(cls, "__module__", "") or ""
+    if module == "torch" or module.startswith("torch."):
+        return
+    warnings.warn(
+        f"torch_opaque.auto(): {cls.__qualname__} stays an ordinary autograd.Function "
+        f"(inlined by export) because {reason}",
+        stacklevel=4,
+    )
 
 
 def _auto_apply(cls, *args, **kwargs):
-    fn = wrap_if_auto(cls)
-    if fn is None:
-        return _function._ORIGINAL_APPLY(cls, *args, **kwargs)
-    return fn.apply(*args, **kwargs)
+    fn = routed(cls)
+    if fn is not None:
+        try:
+            values = fn.bind(args, kwargs)
+            ov = fn.overload_for(values)
+        except SchemaError as e:
+            if fn.explicit:
+                raise
+            warn_unwrapped(cls, str(e))
+        else:
+            return ov(values)
+    return _function._ORIGINAL_APPLY(cls, *args, **kwargs)
 
 
 _auto_apply.__name__ = "apply"
