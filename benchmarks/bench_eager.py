@@ -7,10 +7,15 @@ Compares, on a small tensor, forward+backward and forward-only cost of:
   torch.ops  torch.ops.opaque.BenchFoo.<overload>(x), the path ep.module() runs
   custom_op  torch.library.custom_op + register_autograd (the upstream alternative)
 
+fwd+bwd: one call on a leaf that requires grad, then one backward into it.
+fwd-only: one call with grad mode off on a tensor that does not require grad.
+Timing: time.perf_counter around loops of calls, 1 thread, gc left on; the
+median over repeats (interleaved across variants) is reported.
+
 Usage::
 
-    python benchmarks/bench_eager.py            # ~20-40 s on 2 cores
-    python benchmarks/bench_eager.py --quick    # a few seconds
+    python benchmarks/bench_eager.py            # ~15-30 s on 2 cores
+    python benchmarks/bench_eager.py --quick    # ~5 s
     python benchmarks/bench_eager.py --size 1024
 
 Prints a table and PASS/MISS lines for the overhead targets; it asserts nothing.

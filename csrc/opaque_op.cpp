@@ -33,18 +33,20 @@ class UserKernel final : public c10::OperatorKernel {
 // record (nothing will be differentiated).
 class InferenceKernel final : public c10::OperatorKernel {
  public:
-  explicit InferenceKernel(std::weak_ptr<OpaqueOp> op) : op_(std::move(op)) {}
+  InferenceKernel(std::weak_ptr<OpaqueOp> op, bool meta) : op_(std::move(op)), meta_(meta) {}
   void operator()(const c10::OperatorHandle&, c10::DispatchKeySet,
                   torch::jit::Stack* stack) {
     auto op = op_.lock();
     TORCH_INTERNAL_ASSERT(op);
     detail::ForwardCallScope scope(std::nullopt);
-    op->definition().forward(op->forward_op().schema(), stack);
+    const auto& def = op->definition();
+    (meta_ ? def.meta_forward : def.forward)(op->forward_op().schema(), stack);
     stack->pop_back(); // residuals
   }
 
  private:
   std::weak_ptr<OpaqueOp> op_;
+  bool meta_;
 };
 
 bool is_identifier(const std::string& s) {
@@ -144,7 +146,7 @@ std::shared_ptr<OpaqueOp> define_op(OpDefinition def) {
   lib->impl(main_name.c_str(),
             torch::dispatch(c10::DispatchKey::CompositeExplicitAutograd,
                             torch::CppFunction::makeFromBoxedFunctor(
-                                std::make_unique<InferenceKernel>(weak))));
+                                std::make_unique<InferenceKernel>(weak, false))));
   lib->impl(main_name.c_str(),
             torch::dispatch(c10::DispatchKey::Autograd,
                             torch::CppFunction::makeFromBoxedFunctor(
@@ -157,6 +159,16 @@ std::shared_ptr<OpaqueOp> define_op(OpDefinition def) {
             torch::dispatch(c10::DispatchKey::CompositeExplicitAutograd,
                             torch::CppFunction::makeFromBoxedFunctor(
                                 std::make_unique<UserKernel>(def.backward))));
+  if (def.meta_forward) {
+    lib->impl(main_name.c_str(),
+              torch::dispatch(c10::DispatchKey::Meta,
+                              torch::CppFunction::makeFromBoxedFunctor(
+                                  std::make_unique<InferenceKernel>(weak, true))));
+    lib->impl(with_overload(def.name + "_fwd", def.overload).c_str(),
+              torch::dispatch(c10::DispatchKey::Meta,
+                              torch::CppFunction::makeFromBoxedFunctor(
+                                  std::make_unique<UserKernel>(def.meta_forward))));
+  }
   // `_fwd` and `_bwd` are not differentiable themselves: differentiating
   // through them (double backward) fails with a clear message instead of
   // silently giving zero.

@@ -44,6 +44,10 @@ struct OpDefinition {
   BoxedKernel forward;
   // Arguments of `ns::Name_bwd`; returns one Tensor? per forward argument.
   BoxedKernel backward;
+  // Optional: a forward for meta tensors (same contract as `forward`),
+  // registered on the Meta key of `ns::Name` and `ns::Name_fwd`. Without it
+  // the CompositeExplicitAutograd kernels serve meta tensors too.
+  BoxedKernel meta_forward;
 };
 
 class OpaqueOp;

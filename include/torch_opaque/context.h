@@ -1,0 +1,63 @@
+#pragma once
+// torch_opaque::Context: the `ctx` of an op written in C++.
+//
+// It mirrors torch::autograd::AutogradContext, so C++ authors meet familiar
+// names, but everything on it travels through schema values: saved tensors
+// become references to inputs/outputs or residual outputs of `ns::Name_fwd`,
+// and `saved_data` is encoded into the `str state` / `SymInt[] state_ints`
+// arguments of `ns::Name_bwd` (see Note [Forward record]).
+
+#include <ATen/core/ivalue.h>
+#include <ATen/core/Tensor.h>
+
+#include <map>
+#include <string>
+#include <vector>
+
+namespace torch_opaque {
+
+class Context {
+ public:
+  Context() = default;
+  explicit Context(std::vector<bool> needs_input_grad)
+      : needs_input_grad_(std::move(needs_input_grad)) {}
+
+  // Forward: tensors the backward needs (inputs, outputs or intermediates).
+  void save_for_backward(std::vector<at::Tensor> tensors) { to_save_ = std::move(tensors); }
+  // Backward: the saved tensors, in save order (undefined where an undefined
+  // tensor was saved).
+  const std::vector<at::Tensor>& saved_tensors() const { return to_save_; }
+  std::vector<at::Tensor> get_saved_variables() const { return to_save_; }
+
+  // Non-tensor state for the backward. Supported values: int, double, bool,
+  // string, None, SymInt, and lists of int, double and bool.
+  std::map<std::string, c10::IValue> saved_data;
+
+  // Per forward argument: whether its gradient is needed. All false when the
+  // call is not recorded for autograd.
+  const std::vector<bool>& needs_input_grad() const { return needs_input_grad_; }
+  bool needs_input_grad(size_t i) const {
+    return i < needs_input_grad_.size() && needs_input_grad_[i];
+  }
+
+  // Forward: outputs that are not differentiable (indices, masks, ...).
+  void mark_non_differentiable(const std::vector<at::Tensor>& outputs) {
+    non_differentiable_.insert(non_differentiable_.end(), outputs.begin(), outputs.end());
+  }
+  // Forward: pass undefined tensors, instead of zeros, to backward for
+  // outputs that received no gradient.
+  void set_materialize_grads(bool value) { materialize_grads_ = value; }
+
+  // Internal (used by the kernels in op.h).
+  const std::vector<at::Tensor>& non_differentiable() const { return non_differentiable_; }
+  bool materialize_grads() const { return materialize_grads_; }
+  void set_saved_tensors(std::vector<at::Tensor> t) { to_save_ = std::move(t); }
+
+ private:
+  std::vector<bool> needs_input_grad_;
+  std::vector<at::Tensor> to_save_;
+  std::vector<at::Tensor> non_differentiable_;
+  bool materialize_grads_ = true;
+};
+
+} // namespace torch_opaque

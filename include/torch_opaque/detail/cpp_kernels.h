@@ -1,0 +1,45 @@
+#pragma once
+// The non-template half of ops written in C++: turning a finished Context into
+// a forward record, and a `_bwd` call back into a Context. Compiled once in
+// csrc/cpp_kernels.cpp.
+
+#include <torch_opaque/context.h>
+#include <torch_opaque/forward_record.h>
+
+#include <ATen/core/stack.h>
+
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace torch_opaque::detail {
+
+// After the user's forward: pushes the outputs (copies of those that alias an
+// input or another output) and the residual list; when `needs` is set,
+// reports the forward record built from `ctx`.
+void finish_forward(const std::string& op_name, Context& ctx,
+                    const std::vector<c10::IValue>& inputs,
+                    std::vector<at::Tensor> outputs, bool recording,
+                    torch::jit::Stack* stack);
+
+// Pops the `_bwd` arguments; returns the Context (saved tensors, saved_data,
+// needs_input_grad) and the output gradients.
+std::pair<Context, std::vector<at::Tensor>> start_backward(torch::jit::Stack* stack);
+
+// Pushes the gradients as the `_bwd` result after checking them against the
+// forward arguments (`tensor_args[i]`: whether argument i is a tensor).
+void finish_backward(const std::string& op_name, const std::vector<bool>& tensor_args,
+                     std::vector<at::Tensor> grads, const Context& ctx,
+                     const std::vector<at::Tensor>& grad_outputs, torch::jit::Stack* stack);
+
+// Note [saved_data encoding]
+// "name=<tag>:<value>;" per entry, names sorted, with tags i (int), f (double,
+// printed with 17 significant digits), b (bool), s (string, %-escaped),
+// n (None), y (SymInt: index into state_ints), I/F/B (lists, comma separated).
+std::string encode_saved_data(const std::string& op_name,
+                              const std::map<std::string, c10::IValue>& data,
+                              std::vector<c10::SymInt>* state_ints);
+std::map<std::string, c10::IValue> decode_saved_data(const std::string& state,
+                                                     const std::vector<c10::SymInt>& ints);
+
+} // namespace torch_opaque::detail

@@ -1,0 +1,167 @@
+#pragma once
+// One definition, one differentiable, exportable operator written in C++.
+//
+//   struct ScaledSin {
+//     static at::Tensor forward(torch_opaque::Context& ctx, const at::Tensor& x,
+//                               double scale) {
+//       ctx.save_for_backward({x});
+//       ctx.saved_data["scale"] = scale;
+//       return at::sin(x) * scale;
+//     }
+//     static std::vector<at::Tensor> backward(torch_opaque::Context& ctx,
+//                                             std::vector<at::Tensor> grads) {
+//       const at::Tensor& x = ctx.saved_tensors()[0];
+//       double scale = ctx.saved_data["scale"].toDouble();
+//       return {grads[0] * at::cos(x) * scale, at::Tensor()};
+//     }
+//   };
+//   TORCH_OPAQUE_DEF(ScaledSin, "myops::scaled_sin", "x", "scale")
+//
+// registers myops::scaled_sin(Tensor x, float scale) -> Tensor, with its
+// `_fwd`/`_bwd` companions, the Autograd kernel, CompositeExplicitAutograd
+// kernels (which also serve Meta, so the op runs on meta and fake tensors when
+// forward is made of ATen ops) and, if Op has a `fake` with forward's
+// signature, a Meta kernel from it.
+
+#include <torch_opaque/context.h>
+#include <torch_opaque/detail/arg_types.h>
+#include <torch_opaque/detail/cpp_kernels.h>
+#include <torch_opaque/opaque_op.h>
+
+#include <ATen/core/stack.h>
+#include <c10/util/Exception.h>
+
+#include <memory>
+#include <sstream>
+#include <string>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+namespace torch_opaque {
+
+namespace detail {
+
+template <class Op, class = void>
+struct has_fake : std::false_type {};
+template <class Op>
+struct has_fake<Op, std::void_t<decltype(&Op::fake)>> : std::true_type {};
+
+template <class Op, class = void>
+struct has_forward : std::false_type {};
+template <class Op>
+struct has_forward<Op, std::void_t<decltype(&Op::forward)>> : std::true_type {};
+
+template <class Op, class = void>
+struct has_backward : std::false_type {};
+template <class Op>
+struct has_backward<Op, std::void_t<decltype(Op::backward(std::declval<Context&>(),
+                                                           std::declval<std::vector<at::Tensor>>()))>>
+    : std::is_convertible<decltype(Op::backward(std::declval<Context&>(),
+                                                std::declval<std::vector<at::Tensor>>())),
+                          std::vector<at::Tensor>> {};
+
+template <class Args, size_t... I>
+Args unbox(const std::vector<c10::IValue>& in, std::index_sequence<I...>) {
+  return Args{ArgType<std::tuple_element_t<I, Args>>::from(in[I])...};
+}
+
+template <class Args, size_t... I>
+std::string schema_arguments(const std::vector<std::string>& names, std::index_sequence<I...>) {
+  std::ostringstream ss;
+  ((ss << (I ? ", " : "") << ArgType<std::tuple_element_t<I, Args>>::schema << " "
+       << names[I]),
+   ...);
+  return ss.str();
+}
+
+template <class Args, size_t... I>
+std::vector<bool> tensor_arguments(std::index_sequence<I...>) {
+  return {ArgType<std::tuple_element_t<I, Args>>::is_tensor...};
+}
+
+// A forward-like function (forward or fake) as a BoxedKernel of `_fwd`.
+template <class Fn>
+BoxedKernel forward_kernel(Fn fn, std::string op_name) {
+  using Sig = ForwardSignature<Fn>;
+  using Args = typename Sig::args;
+  return [fn, op_name](const c10::FunctionSchema&, torch::jit::Stack* stack) {
+    std::vector<c10::IValue> inputs(stack->end() - Sig::arity, stack->end());
+    torch::jit::drop(*stack, Sig::arity);
+    std::optional<std::vector<bool>> needs = take_needs_input_grad();
+    const bool recording = needs.has_value();
+    Context ctx(recording ? std::move(*needs) : std::vector<bool>(Sig::arity, false));
+    Args args = unbox<Args>(inputs, std::make_index_sequence<Sig::arity>{});
+    auto result = std::apply([&](auto&... a) { return fn(ctx, a...); }, args);
+    finish_forward(op_name, ctx, inputs,
+                   ReturnType<typename Sig::result>::flatten(std::move(result)), recording,
+                   stack);
+  };
+}
+
+template <class Op>
+BoxedKernel backward_kernel(std::string op_name, std::vector<bool> tensor_args) {
+  return [op_name, tensor_args](const c10::FunctionSchema&, torch::jit::Stack* stack) {
+    auto [ctx, grads] = start_backward(stack);
+    std::vector<at::Tensor> grad_outputs = grads;
+    std::vector<at::Tensor> result = Op::backward(ctx, std::move(grads));
+    finish_backward(op_name, tensor_args, std::move(result), ctx, grad_outputs, stack);
+  };
+}
+
+} // namespace detail
+
+// Defines the op `qualified_name` ("ns::name" or "ns::name.overload") from
+// Op's static forward/backward (and optional fake). `arg_names` names the
+// forward arguments after ctx; without names they are arg0, arg1, ...
+template <class Op>
+std::shared_ptr<OpaqueOp> def(const std::string& qualified_name,
+                              std::vector<std::string> arg_names = {}) {
+  static_assert(detail::has_forward<Op>::value,
+                "torch_opaque::def<Op>: Op needs `static R forward(torch_opaque::Context& "
+                "ctx, Args... args)`.");
+  static_assert(detail::has_backward<Op>::value,
+                "torch_opaque::def<Op>: Op needs `static std::vector<at::Tensor> "
+                "backward(torch_opaque::Context& ctx, std::vector<at::Tensor> grads)`.");
+  using Sig = detail::ForwardSignature<decltype(&Op::forward)>;
+  using Args = typename Sig::args;
+  constexpr size_t n = Sig::arity;
+  if constexpr (detail::has_fake<Op>::value) {
+    static_assert(std::is_same_v<decltype(&Op::fake), decltype(&Op::forward)>,
+                  "torch_opaque::def<Op>: Op::fake must have exactly forward's signature.");
+  }
+  if (arg_names.empty()) {
+    for (size_t i = 0; i < n; ++i) arg_names.push_back("arg" + std::to_string(i));
+  }
+  TORCH_CHECK(arg_names.size() == n, "torch_opaque::def<Op>(\"", qualified_name, "\"): ",
+              arg_names.size(), " argument names given, but forward takes ", n,
+              " arguments after ctx. Name each of them, in order.");
+  const auto sep = qualified_name.find("::");
+  TORCH_CHECK(sep != std::string::npos && sep > 0, "torch_opaque::def<Op>(\"", qualified_name,
+              "\"): the name must be qualified, as in \"myops::my_op\".");
+  OpDefinition d;
+  d.ns = qualified_name.substr(0, sep);
+  std::string rest = qualified_name.substr(sep + 2);
+  const auto dot = rest.find('.');
+  d.name = rest.substr(0, dot);
+  d.overload = dot == std::string::npos ? "" : rest.substr(dot + 1);
+  d.arguments = detail::schema_arguments<Args>(arg_names, std::make_index_sequence<n>{});
+  d.returns.assign(detail::ReturnType<typename Sig::result>::count, "Tensor");
+  d.forward = detail::forward_kernel(&Op::forward, qualified_name);
+  d.backward = detail::backward_kernel<Op>(
+      qualified_name, detail::tensor_arguments<Args>(std::make_index_sequence<n>{}));
+  if constexpr (detail::has_fake<Op>::value) {
+    d.meta_forward = detail::forward_kernel(&Op::fake, qualified_name);
+  }
+  return define_op(std::move(d));
+}
+
+} // namespace torch_opaque
+
+#define TORCH_OPAQUE_CONCAT_INNER(a, b) a##b
+#define TORCH_OPAQUE_CONCAT(a, b) TORCH_OPAQUE_CONCAT_INNER(a, b)
+
+// At namespace scope: TORCH_OPAQUE_DEF(Op, "ns::name", "arg", "names", ...)
+#define TORCH_OPAQUE_DEF(OP, QUALIFIED_NAME, ...)                                   \
+  static const auto TORCH_OPAQUE_CONCAT(torch_opaque_registration_, __COUNTER__) = \
+      ::torch_opaque::def<OP>(QUALIFIED_NAME, {__VA_ARGS__})

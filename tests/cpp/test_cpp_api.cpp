@@ -1,0 +1,227 @@
+// GoogleTest suite for the C++ authoring API (torch_opaque/op.h).
+#include <torch_opaque/op.h>
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <string>
+
+namespace {
+
+// sin(x) * scale; saves x and keeps scale in saved_data.
+struct ScaledSin {
+  static at::Tensor forward(torch_opaque::Context& ctx, const at::Tensor& x, double scale) {
+    ctx.save_for_backward({x});
+    ctx.saved_data["scale"] = scale;
+    return at::sin(x) * scale;
+  }
+  static std::vector<at::Tensor> backward(torch_opaque::Context& ctx,
+                                          std::vector<at::Tensor> grads) {
+    const at::Tensor& x = ctx.saved_tensors()[0];
+    return {grads[0] * at::cos(x) * ctx.saved_data["scale"].toDouble(), at::Tensor()};
+  }
+};
+TORCH_OPAQUE_DEF(ScaledSin, "opaque_cpp_test::scaled_sin", "x", "scale");
+
+// Two outputs: (max over the last dim * weight, argmax). The argmax is not
+// differentiable; records what it saw in needs_input_grad.
+std::vector<bool> g_needs;
+struct WeightedMax {
+  static std::tuple<at::Tensor, at::Tensor> forward(torch_opaque::Context& ctx,
+                                                   const at::Tensor& x,
+                                                   const std::optional<at::Tensor>& weight,
+                                                   int64_t dim) {
+    g_needs = ctx.needs_input_grad();
+    auto [values, idx] = x.max(dim);
+    at::Tensor out = weight.has_value() ? values * *weight : values * 1;
+    ctx.mark_non_differentiable({idx});
+    ctx.save_for_backward({idx, values, weight.value_or(at::Tensor())});
+    ctx.saved_data["dim"] = dim;
+    ctx.saved_data["shape"] = x.sizes().vec();
+    ctx.saved_data["name"] = std::string("w;eird=name%");
+    return {out, idx};
+  }
+  static std::vector<at::Tensor> backward(torch_opaque::Context& ctx,
+                                          std::vector<at::Tensor> grads) {
+    const auto& saved = ctx.saved_tensors();
+    const at::Tensor& idx = saved[0];
+    const at::Tensor& values = saved[1];
+    const at::Tensor& weight = saved[2];
+    int64_t dim = ctx.saved_data["dim"].toInt();
+    auto shape = ctx.saved_data["shape"].toIntVector();
+    EXPECT_EQ(ctx.saved_data["name"].toStringRef(), "w;eird=name%");
+    at::Tensor g = weight.defined() ? grads[0] * weight : grads[0];
+    at::Tensor gx;
+    if (ctx.needs_input_grad(0)) {
+      gx = at::zeros(shape, g.options()).scatter(dim, idx.unsqueeze(dim), g.unsqueeze(dim));
+    }
+    at::Tensor gw;
+    if (ctx.needs_input_grad(1)) gw = grads[0] * values;
+    return {gx, gw, at::Tensor()};
+  }
+};
+TORCH_OPAQUE_DEF(WeightedMax, "opaque_cpp_test::weighted_max", "x", "weight", "dim");
+
+// A forward that is not made of ATen ops on meta tensors: uses data_ptr.
+struct DataPtrDouble {
+  static at::Tensor forward(torch_opaque::Context& ctx, const at::Tensor& x) {
+    at::Tensor out = at::empty_like(x);
+    auto src = x.contiguous();
+    for (int64_t i = 0; i < x.numel(); ++i) out.data_ptr<float>()[i] = 2 * src.data_ptr<float>()[i];
+    return out;
+  }
+  static at::Tensor fake(torch_opaque::Context& ctx, const at::Tensor& x) {
+    return at::empty_like(x);
+  }
+  static std::vector<at::Tensor> backward(torch_opaque::Context&, std::vector<at::Tensor> g) {
+    return {g[0] * 2};
+  }
+};
+TORCH_OPAQUE_DEF(DataPtrDouble, "opaque_cpp_test::data_ptr_double", "x");
+
+c10::OperatorHandle find(const char* name) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "");
+}
+
+std::vector<at::Tensor> call(const char* name, std::vector<c10::IValue> args) {
+  torch::jit::Stack stack(args.begin(), args.end());
+  find(name).callBoxed(stack);
+  std::vector<at::Tensor> out;
+  for (auto& v : stack) out.push_back(v.toTensor());
+  return out;
+}
+
+} // namespace
+
+TEST(CppApi, SchemasAreInferredFromSignatures) {
+  EXPECT_EQ(c10::toString(find("opaque_cpp_test::scaled_sin").schema()),
+            "opaque_cpp_test::scaled_sin(Tensor x, float scale) -> Tensor");
+  EXPECT_EQ(c10::toString(find("opaque_cpp_test::weighted_max").schema()),
+            "opaque_cpp_test::weighted_max(Tensor x, Tensor? weight, int dim) -> (Tensor, Tensor)");
+  EXPECT_TRUE(c10::Dispatcher::singleton().findSchema({"opaque_cpp_test::scaled_sin_bwd", ""}));
+}
+
+TEST(CppApi, ForwardValuesAndGradientsMatchFiniteDifferences) {
+  auto x = torch::randn({6}, torch::kDouble).requires_grad_();
+  auto y = call("opaque_cpp_test::scaled_sin", {x, 1.5})[0];
+  EXPECT_TRUE(torch::allclose(y, x.detach().sin() * 1.5));
+  auto g = torch::autograd::grad({y.sum()}, {x})[0];
+  const double eps = 1e-6;
+  for (int64_t i = 0; i < 6; ++i) {
+    auto xp = x.detach().clone(), xm = x.detach().clone();
+    xp[i] += eps;
+    xm[i] -= eps;
+    double fd = ((call("opaque_cpp_test::scaled_sin", {xp, 1.5})[0].sum() -
+                  call("opaque_cpp_test::scaled_sin", {xm, 1.5})[0].sum()) /
+                 (2 * eps)).item<double>();
+    EXPECT_NEAR(fd, g[i].item<double>(), 1e-6);
+  }
+}
+
+TEST(CppApi, TwoOutputsNonDifferentiableSavedStateAndNeedsInputGrad) {
+  auto x = torch::randn({3, 4}, torch::kDouble).requires_grad_();
+  auto w = torch::randn({3}, torch::kDouble);
+  auto outs = call("opaque_cpp_test::weighted_max", {x, w, int64_t(1)});
+  EXPECT_EQ(g_needs, (std::vector<bool>{true, false, false}));
+  EXPECT_TRUE(outs[0].requires_grad());
+  EXPECT_FALSE(outs[1].requires_grad());
+  EXPECT_EQ(outs[1].scalar_type(), at::kLong);
+  auto gx = torch::autograd::grad({outs[0].sum()}, {x})[0];
+  auto expect = at::zeros({3, 4}, at::kDouble)
+                    .scatter(1, outs[1].unsqueeze(1), w.unsqueeze(1));
+  EXPECT_TRUE(torch::allclose(gx, expect));
+  // weight requires grad too; None weight gives the plain max
+  auto w2 = w.clone().requires_grad_();
+  auto outs2 = call("opaque_cpp_test::weighted_max", {x, w2, int64_t(1)});
+  auto grads = torch::autograd::grad({outs2[0].sum()}, {x, w2});
+  EXPECT_TRUE(torch::allclose(grads[1], std::get<0>(x.detach().max(1))));
+  auto plain = call("opaque_cpp_test::weighted_max", {x, c10::IValue(), int64_t(0)});
+  EXPECT_TRUE(torch::allclose(plain[0], std::get<0>(x.detach().max(0))));
+}
+
+TEST(CppApi, MetaTensorsUseForwardOrFake) {
+  auto x = torch::empty({5, 7}, torch::TensorOptions().device(at::kMeta).dtype(at::kFloat));
+  auto outs = call("opaque_cpp_test::weighted_max", {x, c10::IValue(), int64_t(1)});
+  EXPECT_EQ(outs[0].sizes(), (at::IntArrayRef{5}));
+  EXPECT_TRUE(outs[0].is_meta());
+  auto d = call("opaque_cpp_test::data_ptr_double", {x})[0];
+  EXPECT_EQ(d.sizes(), x.sizes());
+  EXPECT_TRUE(d.is_meta());
+  auto real = torch::randn({4});
+  EXPECT_TRUE(torch::allclose(call("opaque_cpp_test::data_ptr_double", {real})[0], real * 2));
+}
+
+TEST(CppApi, SavedDataRoundTrips) {
+  std::map<std::string, c10::IValue> data;
+  data["i"] = int64_t(-42);
+  data["f"] = 0.1;
+  data["b"] = true;
+  data["s"] = std::string("a;b=c%d,e");
+  data["n"] = c10::IValue();
+  data["I"] = std::vector<int64_t>{1, -2, 3};
+  data["F"] = std::vector<double>{1.5, -2.25};
+  data["B"] = c10::List<bool>({true, false});
+  data["E"] = std::vector<int64_t>{};
+  std::vector<c10::SymInt> ints;
+  std::string s = torch_opaque::detail::encode_saved_data("t", data, &ints);
+  auto back = torch_opaque::detail::decode_saved_data(s, ints);
+  EXPECT_EQ(back["i"].toInt(), -42);
+  EXPECT_EQ(back["f"].toDouble(), 0.1);
+  EXPECT_TRUE(back["b"].toBool());
+  EXPECT_EQ(back["s"].toStringRef(), "a;b=c%d,e");
+  EXPECT_TRUE(back["n"].isNone());
+  EXPECT_EQ(back["I"].toIntVector(), (std::vector<int64_t>{1, -2, 3}));
+  EXPECT_EQ(back["F"].toDoubleVector(), (std::vector<double>{1.5, -2.25}));
+  EXPECT_EQ(back["B"].toBoolList().get(1), false);
+  EXPECT_TRUE(back["E"].toIntVector().empty());
+}
+
+TEST(CppApi, UnsupportedSavedDataIsAClearError) {
+  std::map<std::string, c10::IValue> data;
+  data["t"] = at::ones({1});
+  std::vector<c10::SymInt> ints;
+  try {
+    torch_opaque::detail::encode_saved_data("my::op", data, &ints);
+    FAIL();
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("ctx.saved_data[\"t\"] holds a Tensor"), std::string::npos)
+        << e.what();
+  }
+}
+
+TEST(CppApi, RegistrationErrorsNameTheFix) {
+  try {
+    torch_opaque::def<ScaledSin>("opaque_cpp_test::other", {"x"});
+    FAIL();
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("1 argument names given, but forward takes 2"),
+              std::string::npos)
+        << e.what();
+  }
+  try {
+    torch_opaque::def<ScaledSin>("no_namespace", {"x", "scale"});
+    FAIL();
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("the name must be qualified"), std::string::npos);
+  }
+}
+
+TEST(CppApi, BackwardReturningWrongCountIsAClearError) {
+  struct Bad {
+    static at::Tensor forward(torch_opaque::Context&, const at::Tensor& x) { return x * 2; }
+    static std::vector<at::Tensor> backward(torch_opaque::Context&, std::vector<at::Tensor>) {
+      return {};
+    }
+  };
+  torch_opaque::def<Bad>("opaque_cpp_test::bad_count", {"x"});
+  auto x = torch::randn({2}).requires_grad_();
+  auto y = call("opaque_cpp_test::bad_count", {x})[0];
+  try {
+    y.sum().backward();
+    FAIL();
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("backward returned 0 gradients, but forward takes 1"),
+              std::string::npos)
+        << e.what();
+  }
+}
