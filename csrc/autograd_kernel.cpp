@@ -80,7 +80,13 @@ class OpaqueBackward final : public Node {
     stack.emplace_back(std::move(needs));
     stack.emplace_back(state_);
     stack.emplace_back(c10::SymIntArrayRef(state_ints_));
-    op_->backward_op().callBoxed(stack);
+    if (at::GradMode::is_enabled()) {
+      op_->backward_op().callBoxed(stack);
+    } else {
+      // No graph is being built: skip the Autograd fallback of `_bwd`.
+      at::AutoDispatchBelowADInplaceOrView below;
+      op_->backward_op().callBoxed(stack);
+    }
     TORCH_INTERNAL_ASSERT(stack.size() == 1);
     auto result = stack.back().toOptionalTensorList();
     TORCH_CHECK(result.size() == op_->num_arguments(), op_->qualified_name(),
@@ -194,6 +200,7 @@ void AutogradKernel::operator()(const c10::OperatorHandle& handle,
   {
     ForwardCallScope scope(needs);
     at::AutoDispatchBelowADInplaceOrView guard;
+    at::AutoGradMode no_grad(false);  // forwards run without grad, as in autograd.Function
     op->forward_op().callBoxed(stack);
     record = scope.take_record();
   }

@@ -3,6 +3,7 @@
 #include "autograd_kernel.h"
 
 #include <ATen/core/op_registration/op_registration.h>
+#include <ATen/core/grad_mode.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/autograd_not_implemented_fallback.h>
@@ -39,6 +40,7 @@ class InferenceKernel final : public c10::OperatorKernel {
     auto op = op_.lock();
     TORCH_INTERNAL_ASSERT(op);
     detail::ForwardCallScope scope(std::nullopt);
+    at::AutoGradMode no_grad(false);  // forwards run without grad, as in autograd.Function
     const auto& def = op->definition();
     (meta_ ? def.meta_forward : def.forward)(op->forward_op().schema(), stack);
     stack->pop_back(); // residuals

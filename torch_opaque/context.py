@@ -25,20 +25,14 @@ import torch
 
 from .errors import UnsupportedError
 
-_INTERNAL = frozenset(
-    {
-        "_to_save",
-        "_non_diff",
-        "_materialize",
-        "needs_input_grad",
-        "_fn_name",
-        "saved_tensors",
-    }
-)
-
-
 class ForwardContext:
-    """``ctx`` inside a wrapped forward (or setup_context)."""
+    """``ctx`` inside a wrapped forward (or setup_context).
+
+    Internal fields live in slots, so ``ctx.__dict__`` holds exactly the user's
+    attributes (empty in the common case, which the kernels check cheaply).
+    """
+
+    __slots__ = ("_fn_name", "needs_input_grad", "_to_save", "_non_diff", "_materialize", "__dict__")
 
     def __init__(self, fn_name: str, needs_input_grad: tuple):
         self._fn_name = fn_name
@@ -82,10 +76,14 @@ class ForwardContext:
 
 
 class BackwardContext:
-    """``ctx`` inside a wrapped backward."""
+    """``ctx`` inside a wrapped backward: saved tensors, needs_input_grad and the
+    attributes the forward set."""
+
+    __slots__ = ("_fn_name", "saved_tensors", "needs_input_grad", "__dict__")
 
     def __init__(self, fn_name, saved_tensors, needs_input_grad, attrs):
-        self.__dict__.update(attrs)
+        if attrs:
+            self.__dict__.update(attrs)
         self._fn_name = fn_name
         self.saved_tensors = saved_tensors
         self.needs_input_grad = needs_input_grad
@@ -96,7 +94,7 @@ class BackwardContext:
 
 
 def user_attributes(ctx: ForwardContext) -> dict:
-    return {k: v for k, v in ctx.__dict__.items() if k not in _INTERNAL}
+    return ctx.__dict__
 
 
 # ---- encoding non-tensor state -------------------------------------------------

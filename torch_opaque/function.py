@@ -92,6 +92,13 @@ class Overload:
             return (out,)
         return out
 
+    def direct(self):
+        """The fastest callable for positional arguments: the op's C++ builtin."""
+        call = self.op._op
+        if self.returns_tuple and self.n_out == 1:
+            return lambda *args: (call(*args),)
+        return call
+
 
 class OpaqueFunction:
     """The operator side of one autograd.Function subclass."""
@@ -135,6 +142,9 @@ class OpaqueFunction:
         self.overloads: dict = {}  # overload name -> Overload
         self._by_kinds: dict = {}  # kinds_key -> Overload
         self._single: Optional[Overload] = None  # set when the schema comes from hints
+        # Note [Direct apply]: argument types -> the op's builtin, for calls that
+        # need no binding or conversion (filled by apply, read by the class's apply).
+        self.direct: dict = {}
 
     def __repr__(self):
         return f"<torch_opaque op {self.namespace}::{self.name} for {self.display_name}>"
@@ -158,6 +168,10 @@ class OpaqueFunction:
         ov = self._single
         if ov is None:
             ov = self._by_kinds.get(kinds_key(values)) or self.overload_for(values)
+        if not kwargs and len(args) == len(values):
+            key = tuple(map(type, args))
+            if list not in key and tuple not in key:
+                self.direct[key] = ov.direct()
         return ov(values)
 
     # ---- defining overloads ----------------------------------------------------------
@@ -287,6 +301,22 @@ def _patched_apply(cls, *args, **kwargs):
 _patched_apply.__name__ = "apply"
 
 
+def _make_apply(cls: type, fn: OpaqueFunction):
+    """``cls.apply``: a dictionary hit on the argument types calls the op directly."""
+    direct = fn.direct
+
+    def apply(c, *args, **kwargs):
+        if c is cls and not kwargs:
+            call = direct.get(tuple(map(type, args)))
+            if call is not None:
+                return call(*args)
+        return _patched_apply(c, *args, **kwargs)
+
+    apply.__name__ = "apply"
+    apply.__qualname__ = f"{cls.__qualname__}.apply"
+    return apply
+
+
 def _check_wrappable(cls) -> None:
     if not (isinstance(cls, type) and issubclass(cls, torch.autograd.Function)):
         raise TypeError(
@@ -329,7 +359,7 @@ def wrap(
                 )
             if _patch_apply and not existing.explicit:
                 existing.explicit = True
-                cls.apply = classmethod(_patched_apply)
+                cls.apply = classmethod(_make_apply(cls, existing))
             return cls
         other = _BY_OPNAME.get((namespace, op_name))
         if other is not None:
@@ -343,7 +373,7 @@ def wrap(
         _BY_OPNAME[(namespace, op_name)] = fn
         fn.explicit = _patch_apply
         if _patch_apply:
-            cls.apply = classmethod(_patched_apply)
+            cls.apply = classmethod(_make_apply(cls, fn))
     return cls
 
 

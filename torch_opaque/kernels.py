@@ -40,7 +40,16 @@ def fake_forward_error(fn_name: str, err: BaseException) -> FakeForwardError:
 
 
 class Runner:
-    """Calls the user's forward (or fake) with a ForwardContext."""
+    """Calls the user's forward with a ForwardContext: the real kernel of `_fwd`.
+
+    Note [Eager fast path]
+    The C++ side runs this with grad mode off and copies returned tensors that
+    alias inputs (Note [Kernel outputs never alias inputs] in
+    csrc/python/python_kernel.cpp), so the real kernel does neither; FakeRunner,
+    which PyTorch calls directly from Python, does both itself.
+    """
+
+    in_python = False  # grad mode and aliasing handled by the caller (C++)
 
     def __init__(self, fn_name: str, forward: Callable, setup_context, specs, n_out: int):
         self.fn_name = fn_name
@@ -55,7 +64,7 @@ class Runner:
         self.no_grad = (False,) * self.n_args
 
     def call_user(self, ctx, args, grad_off=True):
-        if not grad_off:  # the schema probe: fake inputs never require grad
+        if not (grad_off and self.in_python):
             return self._call(ctx, args)
         prev = torch.is_grad_enabled()
         torch._C._set_grad_enabled(False)
@@ -72,6 +81,8 @@ class Runner:
         return out
 
     def outputs(self, out) -> tuple:
+        if self.n_out == 1 and type(out) is torch.Tensor:
+            return (out,)
         outs = out if isinstance(out, tuple) else (out,)
         if len(outs) != self.n_out:
             raise RuntimeError(
@@ -89,10 +100,10 @@ class Runner:
                 )
         return outs
 
-    def __call__(self, *args, **kwargs):
-        needs = _C.take_needs_input_grad()
-        if kwargs or len(args) != self.n_args:
-            args = self.complete(args, kwargs)
+    def __call__(self, needs, *args):
+        """The real kernel, called by the C++ bridge (Note [Python kernels]):
+        returns the outputs, the residuals and the record (None when `needs` is
+        None, i.e. nothing is recorded for autograd)."""
         if self.convs:
             args = list(args)
             for i, conv in self.convs:
@@ -100,13 +111,12 @@ class Runner:
                     args[i] = conv(args[i])
         ctx = ForwardContext(self.fn_name, needs if needs is not None else self.no_grad)
         outs = self.outputs(self.call_user(ctx, args))
-        inputs = [args[i] for i in self.tensor_pos if args[i] is not None]
-        for i in self.list_pos:
-            inputs.extend(args[i])
-        outs = _unalias(outs, inputs)
+        if self.in_python:
+            outs = _unalias(outs, list(args_tensors(args, self)))
         if needs is None:
-            return (*outs, [])
-        return (*outs, self.record(ctx, args, outs))
+            return (*outs, [], None)
+        residuals, record = self.record(ctx, args, outs)
+        return (*outs, residuals, record)
 
     def complete(self, args, kwargs) -> list:
         """All arguments by position: callers (fake-kernel dispatch, torch.ops with
@@ -121,7 +131,14 @@ class Runner:
                 raise TypeError(f"{self.fn_name}: missing argument '{spec.name}'")
         return args
 
-    def record(self, ctx: ForwardContext, args: Sequence[Any], outs: tuple) -> list:
+    def record(self, ctx: ForwardContext, args: Sequence[Any], outs: tuple) -> tuple:
+        """(residual tensors, forward record as the arguments of
+        _C.set_forward_record)."""
+        non_diff = [any(o is t for t in ctx._non_diff) for o in outs] if ctx._non_diff else []
+        if not ctx.__dict__ and not self.list_pos:
+            spec = self._simple_spec(ctx._to_save, args, outs)
+            if spec is not None:
+                return [], (spec, non_diff, ctx._materialize, "", [])
         refs = {}
         for i in self.tensor_pos:
             t = args[i]
@@ -143,18 +160,36 @@ class Runner:
                 continue
             ref = refs.get(id(t))
             if ref is None:
-                # A residual is an op output: it must not alias an input or output.
-                if any(_is_alias_of(t, x) for x in (*args_tensors(args, self), *outs)):
+                if self.in_python and any(
+                    _is_alias_of(t, x) for x in (*args_tensors(args, self), *outs)
+                ):
                     t = t.clone()
                 ref = (4, len(residuals), 0)
                 refs[id(t)] = ref
                 residuals.append(t)
             spec += ref
-        non_diff = []
-        if ctx._non_diff:
-            non_diff = [any(o is t for t in ctx._non_diff) for o in outs]
-        _C.set_forward_record(spec, non_diff, ctx._materialize, state, ints)
-        return residuals
+        return residuals, (spec, non_diff, ctx._materialize, state, ints)
+
+    def _simple_spec(self, to_save, args, outs):
+        """The saved spec when every saved tensor is an input or an output (or
+        None); None otherwise."""
+        spec: list = []
+        for t in to_save:
+            if t is None:
+                spec += (0, 0, 0)
+                continue
+            for k, o in enumerate(outs):
+                if o is t:
+                    spec += (3, k, 0)
+                    break
+            else:
+                for i in self.tensor_pos:
+                    if args[i] is t:
+                        spec += (1, i, 0)
+                        break
+                else:
+                    return None
+        return spec
 
 
 def args_tensors(args, runner: Runner):
@@ -169,8 +204,11 @@ def _unalias(outs: tuple, inputs: list) -> tuple:
     """Operator outputs may not alias inputs or each other: copy those that do."""
     fixed = None
     for k, o in enumerate(outs):
-        others = outs[:k]
-        if any(_is_alias_of(o, x) for x in inputs) or any(_is_alias_of(o, x) for x in others):
+        if o is None:
+            continue
+        if any(_is_alias_of(o, x) for x in inputs) or any(
+            x is not None and _is_alias_of(o, x) for x in outs[:k]
+        ):
             if fixed is None:
                 fixed = list(outs)
             fixed[k] = o.clone()
@@ -178,7 +216,23 @@ def _unalias(outs: tuple, inputs: list) -> tuple:
 
 
 class FakeRunner(Runner):
-    """The forward on fake tensors: the user's ``fake`` if given, else forward."""
+    """The forward on fake tensors: the user's ``fake`` if given, else forward.
+
+    PyTorch calls it from Python as the fake kernel of `_fwd` (with the
+    arguments as the caller passed them), so it takes needs_input_grad from,
+    and reports the record to, the C++ core itself.
+    """
+
+    in_python = True
+
+    def __call__(self, *args, **kwargs):
+        needs = _C.take_needs_input_grad()
+        if kwargs or len(args) != self.n_args:
+            args = self.complete(args, kwargs)
+        *outs, residuals, record = Runner.__call__(self, needs, *args)
+        if record is not None:
+            _C.set_forward_record(*record)
+        return (*outs, residuals)
 
     def __init__(self, *a, has_user_fake: bool, **k):
         super().__init__(*a, **k)
@@ -207,34 +261,48 @@ class InferenceFake:
 
 
 class BackwardRunner:
-    """Calls the user's backward with a BackwardContext."""
+    """Calls the user's backward with a BackwardContext: the real kernel of `_bwd`
+    (the bridge passes list arguments as tuples)."""
+
+    in_python = False  # aliasing handled by the caller (C++)
 
     def __init__(self, fn_name: str, backward: Callable, specs):
         self.fn_name = fn_name
         self.backward = backward
         self.specs = specs
         self.n_args = len(specs)
+        self.tensor_flags = tuple(s.is_tensor for s in specs)
 
     def __call__(self, saved, grads, needs_input_grad, state, state_ints):
         if state:
             n_explicit, attrs = decode_state(state, saved, state_ints)
             saved = saved[:n_explicit]
         else:
-            attrs = {}
+            attrs = None
         ctx = BackwardContext(self.fn_name, tuple(saved), tuple(needs_input_grad), attrs)
         res = self.backward(ctx, *grads)
-        if not isinstance(res, tuple):
+        if type(res) is not tuple:
             res = (res,)
         if len(res) != self.n_args:
-            if len(res) > self.n_args and all(r is None for r in res[self.n_args :]):
-                res = res[: self.n_args]
-            else:
-                raise RuntimeError(
-                    f"torch_opaque: {self.fn_name}.backward returned an incorrect number of "
-                    f"gradients (expected {self.n_args}, got {len(res)}). Return one "
-                    f"gradient (or None) per forward argument."
-                )
-        inputs = [t for t in (*saved, *grads) if t is not None]
+            res = self._fix_count(res)
+        for g, is_tensor in zip(res, self.tensor_flags):
+            if g is not None and not (is_tensor and isinstance(g, torch.Tensor)):
+                self._raise_bad_gradients(res)
+        if self.in_python:
+            # Op outputs must not alias op inputs (a backward often returns grad itself).
+            res = _unalias(res, [t for t in (*saved, *grads) if t is not None])
+        return (res,)
+
+    def _fix_count(self, res):
+        if len(res) > self.n_args and all(r is None for r in res[self.n_args :]):
+            return res[: self.n_args]
+        raise RuntimeError(
+            f"torch_opaque: {self.fn_name}.backward returned an incorrect number of "
+            f"gradients (expected {self.n_args}, got {len(res)}). Return one "
+            f"gradient (or None) per forward argument."
+        )
+
+    def _raise_bad_gradients(self, res):
         for i, g in enumerate(res):
             if g is None:
                 continue
@@ -250,15 +318,18 @@ class BackwardRunner:
                     f"torch_opaque: {self.fn_name}.backward returned a {type(g).__name__} at "
                     f"position {i + 1}; gradients must be tensors or None."
                 )
-        # Op outputs must not alias op inputs (a backward often returns grad itself).
-        res = _unalias(res, inputs)
-        return (list(res),)
+
+
+class FakeBackwardRunner(BackwardRunner):
+    in_python = True
 
 
 def make_backward_fake(runner: BackwardRunner, fn_name: str) -> Callable:
+    runner = FakeBackwardRunner(runner.fn_name, runner.backward, runner.specs)
+
     def fake_backward(saved, grads, needs_input_grad, state, state_ints):
         try:
-            return runner(saved, grads, needs_input_grad, state, state_ints)[0]
+            return list(runner(saved, grads, needs_input_grad, state, state_ints)[0])
         except Exception as e:
             raise RuntimeError(
                 f"torch_opaque: {fn_name}.backward cannot run on fake tensors while tracing "

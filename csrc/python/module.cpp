@@ -59,8 +59,8 @@ PYBIND11_MODULE(_C, m) {
         def.overload = std::move(overload);
         def.arguments = std::move(arguments);
         def.returns = std::move(returns);
-        def.forward = make_python_kernel(std::move(forward));
-        def.backward = make_python_kernel(std::move(backward));
+        def.forward = make_python_kernel(std::move(forward), KernelRole::Forward);
+        def.backward = make_python_kernel(std::move(backward), KernelRole::Backward);
         return define_op(std::move(def));
       },
       py::arg("ns"), py::arg("name"), py::arg("overload"), py::arg("arguments"),

@@ -11,6 +11,16 @@
 
 namespace torch_opaque::python {
 
-BoxedKernel make_python_kernel(pybind11::object fn);
+// Which kernel of an opaque op the callable is.
+enum class KernelRole {
+  // `_fwd`: called as fn(needs_input_grad or None, *args); returns the
+  // schema's returns followed by the forward record (None, or the arguments
+  // of set_forward_record as a tuple), which the bridge reports.
+  Forward,
+  // `_bwd`: list arguments arrive as tuples.
+  Backward,
+};
+
+BoxedKernel make_python_kernel(pybind11::object fn, KernelRole role);
 
 } // namespace torch_opaque::python
