@@ -91,6 +91,14 @@ PyObject* to_python(const c10::IValue& v, Kind kind, bool tuples) {
       }
       break;
     case Kind::Generic:
+      if (v.isString() && v.toStringRef().empty()) {
+        static PyObject* empty = PyUnicode_FromString("");
+        Py_INCREF(empty);
+        return empty;
+      }
+      if (tuples && v.isList() && v.toListRef().empty()) {
+        return PyTuple_New(0);
+      }
       if (tuples && v.isBoolList()) {
         const auto l = v.toBoolList();
         PyObject* t = PyTuple_New(static_cast<Py_ssize_t>(l.size()));
