@@ -1,0 +1,95 @@
+"""Finding opaque ops: which dispatcher ops are torch_opaque ops, and in which role.
+
+Every opaque op ``ns::Name`` comes with ``ns::Name_fwd`` (training-form
+forward, returning residuals) and ``ns::Name_bwd`` (the backward). Ops defined
+from Python also know their autograd.Function; ops defined in C++
+(torch_opaque/op.h) are recognised from the dispatcher alone.
+
+Example::
+
+    >>> import torch, torch_opaque
+    >>> from torch_opaque.ops import opaque_info
+    >>> opaque_info(torch.ops.aten.sin.default) is None
+    True
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import torch
+
+ROLES = ("op", "fwd", "bwd")
+
+
+@dataclasses.dataclass(frozen=True)
+class OpaqueInfo:
+    namespace: str
+    name: str  # the op's base name, without _fwd / _bwd
+    overload: str  # "default" for the default overload
+    role: str  # "op", "fwd" or "bwd"
+    target: torch._ops.OpOverload
+    function: Optional[object]  # the OpaqueFunction, for ops defined from Python
+
+    @property
+    def qualified_name(self) -> str:
+        return f"{self.namespace}::{self.name}"
+
+    def overload_of(self, role: str) -> torch._ops.OpOverload:
+        """The OpOverload of this op in another role ("op", "fwd" or "bwd")."""
+        suffix = {"op": "", "fwd": "_fwd", "bwd": "_bwd"}[role]
+        packet = getattr(getattr(torch.ops, self.namespace), self.name + suffix)
+        return getattr(packet, self.overload)
+
+    @property
+    def schema(self) -> str:
+        return str(self.target._schema)
+
+    @property
+    def python_overload(self):
+        """The torch_opaque.function.Overload (Python-defined ops only)."""
+        if self.function is None:
+            return None
+        return self.function.overloads.get(self.overload)
+
+
+def _has_schema(ns: str, name: str, overload: str) -> bool:
+    try:
+        torch._C._get_schema(f"{ns}::{name}", "" if overload == "default" else overload)
+        return True
+    except RuntimeError:
+        return False
+
+
+def opaque_info(target) -> Optional[OpaqueInfo]:
+    """OpaqueInfo for an OpOverload that is (a role of) an opaque op, else None."""
+    if not isinstance(target, torch._ops.OpOverload):
+        return None
+    from .function import _BY_OPNAME
+
+    ns, _, full = target._schema.name.partition("::")
+    overload = target._overloadname
+    for role, suffix in (("fwd", "_fwd"), ("bwd", "_bwd"), ("op", "")):
+        if suffix and not full.endswith(suffix):
+            continue
+        base = full[: len(full) - len(suffix)] if suffix else full
+        fn = _BY_OPNAME.get((ns, base))
+        if fn is None:
+            # C++-defined ops: all three companions exist.
+            if not all(_has_schema(ns, base + s, overload) for s in ("", "_fwd", "_bwd")):
+                continue
+        return OpaqueInfo(ns, base, overload, role, target, fn)
+    return None
+
+
+def opaque_nodes(graph_module) -> list:
+    """(node, OpaqueInfo) for every call of an opaque op in a graph."""
+    graph = getattr(graph_module, "graph", graph_module)
+    out = []
+    for n in graph.nodes:
+        if n.op == "call_function":
+            info = opaque_info(n.target)
+            if info is not None:
+                out.append((n, info))
+    return out
