@@ -78,6 +78,13 @@ std::vector<std::string> split(const std::string& s, char sep) {
 
 } // namespace
 
+bool is_symint_list(const c10::IValue& v) {
+  for (const c10::IValue& e : v.toListRef()) {
+    if (!e.isInt() && !e.isSymInt()) return false;
+  }
+  return true;
+}
+
 std::string encode_saved_data(const std::string& op_name,
                               const std::map<std::string, c10::IValue>& data,
                               std::vector<c10::SymInt>* ints) {
@@ -101,6 +108,20 @@ std::string encode_saved_data(const std::string& op_name,
       out += "I:" + join(v.toIntVector(), [](int64_t x) { return std::to_string(x); });
     } else if (v.isDoubleList()) {
       out += "F:" + join(v.toDoubleVector(), double_text);
+    } else if (v.isList() && is_symint_list(v)) {
+      std::string body;
+      bool first = true;
+      for (const c10::IValue& e : v.toListRef()) {
+        if (!first) body += ",";
+        first = false;
+        if (e.isInt()) {
+          body += std::to_string(e.toInt());
+        } else {
+          ints->push_back(e.toSymInt());
+          body += "s" + std::to_string(ints->size() - 1);
+        }
+      }
+      out += "Y:" + body;
     } else if (v.isBoolList()) {
       auto l = v.toBoolList();
       std::vector<bool> b(l.begin(), l.end());
@@ -145,6 +166,14 @@ std::map<std::string, c10::IValue> decode_saved_data(const std::string& state,
         std::vector<double> l;
         for (const auto& x : split(body, ',')) l.push_back(std::stod(x));
         v = l;
+        break;
+      }
+      case 'Y': {
+        std::vector<c10::SymInt> l;
+        for (const auto& x : split(body, ',')) {
+          l.push_back(x[0] == 's' ? ints.at(std::stoul(x.substr(1))) : c10::SymInt(std::stoll(x)));
+        }
+        v = c10::IValue(c10::SymIntArrayRef(l));
         break;
       }
       case 'B': {

@@ -10,13 +10,13 @@ cd "$(dirname "$0")/.."
 ROOT=$PWD
 VENV=${TORCH_OPAQUE_VENV:-$ROOT/.venv}
 TORCH_PIN=${TORCH_OPAQUE_TORCH:-torch==2.13.0}
-PY_PACKAGES=(numpy pytest expecttest hypothesis)
+PY_PACKAGES=(numpy pytest expecttest hypothesis onnx onnxscript onnxruntime graphviz)
 
 log() { printf '\n== %s\n' "$*"; }
 
 apt_deps() {
   local need=()
-  for pkg in cmake ninja-build g++ libgtest-dev libbenchmark-dev; do
+  for pkg in cmake ninja-build g++ libgtest-dev libbenchmark-dev graphviz; do
     dpkg -s "$pkg" >/dev/null 2>&1 || need+=("$pkg")
   done
   if ((${#need[@]})); then
@@ -33,7 +33,7 @@ python_env() {
     log "creating $VENV"
     python3 -m venv "$VENV"
   fi
-  if ! "$VENV/bin/python" -c "import torch, numpy, pytest, expecttest, hypothesis" 2>/dev/null; then
+  if ! "$VENV/bin/python" -c "import torch, numpy, pytest, expecttest, hypothesis, onnx, onnxscript, onnxruntime, graphviz" 2>/dev/null; then
     log "pip install $TORCH_PIN ${PY_PACKAGES[*]}"
     "$VENV/bin/pip" install -q --disable-pip-version-check "$TORCH_PIN" "${PY_PACKAGES[@]}"
   fi
@@ -48,6 +48,8 @@ build() {
   cmake -S . -B build -G Ninja -DCMAKE_PREFIX_PATH="$prefix" \
     -DPython3_EXECUTABLE="$VENV/bin/python" >/dev/null
   cmake --build build --parallel "$(nproc)"
+  log "examples/cpp against the installed CMake package (build/install)"
+  examples/cpp/build_and_run.sh build "$prefix" --no-run >/dev/null
   if ! "$VENV/bin/pip" show -q torch-opaque >/dev/null 2>&1; then
     log "pip install -e . (no build isolation)"
     "$VENV/bin/pip" install -q --disable-pip-version-check --no-build-isolation --no-deps -e .

@@ -16,12 +16,20 @@ def op_calls(graph_module_or_graph, fn_name: str, namespace: str = "opaque") -> 
 
 
 def aten_calls(graph_module_or_graph, name: str) -> list:
+    """Calls of the ATen op / torch function / tensor method `name` (e.g. "sin")."""
     graph = getattr(graph_module_or_graph, "graph", graph_module_or_graph)
-    return [
-        n
-        for n in graph.nodes
-        if n.op == "call_function" and name in str(getattr(n.target, "__name__", n.target))
-    ]
+    found = []
+    for n in graph.nodes:
+        t = n.target
+        if n.op == "call_method" and t == name:
+            found.append(n)
+        elif n.op == "call_function":
+            if isinstance(t, torch._ops.OpOverload):
+                if t.namespace == "aten" and t._opname == name:
+                    found.append(n)
+            elif getattr(t, "__name__", None) == name:
+                found.append(n)
+    return found
 
 
 @pytest.fixture(autouse=True)

@@ -20,11 +20,19 @@ from . import dynamo_hook as _dynamo_hook
 
 _dynamo_hook.install()
 
+
+def load_library(path) -> None:
+    """Load a shared library whose ops were written with torch_opaque/op.h
+    (``torch.ops.load_library`` after the torch_opaque core is loaded, so both
+    share one copy of it)."""
+    torch.ops.load_library(str(path))
+
 __version__ = "0.1.0"
 
 __all__ = [
     "op",
     "wrap",
+    "load_library",
     "lookup",
     "is_wrapped",
     "auto",

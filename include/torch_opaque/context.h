@@ -30,7 +30,8 @@ class Context {
   std::vector<at::Tensor> get_saved_variables() const { return to_save_; }
 
   // Non-tensor state for the backward. Supported values: int, double, bool,
-  // string, None, SymInt, and lists of int, double and bool.
+  // string, None, SymInt, and lists of int, SymInt, double and bool (e.g.
+  // x.sym_sizes().vec(), which keeps dynamic shapes symbolic).
   std::map<std::string, c10::IValue> saved_data;
 
   // Per forward argument: whether its gradient is needed. All false when the

@@ -35,10 +35,12 @@ void finish_backward(const std::string& op_name, const std::vector<bool>& tensor
 // Note [saved_data encoding]
 // "name=<tag>:<value>;" per entry, names sorted, with tags i (int), f (double,
 // printed with 17 significant digits), b (bool), s (string, %-escaped),
-// n (None), y (SymInt: index into state_ints), I/F/B (lists, comma separated).
+// n (None), y (SymInt: index into state_ints), I/F/B (lists, comma separated),
+// Y (list of SymInts: integers, or s<index> into state_ints).
 std::string encode_saved_data(const std::string& op_name,
                               const std::map<std::string, c10::IValue>& data,
                               std::vector<c10::SymInt>* state_ints);
+bool is_symint_list(const c10::IValue& list);
 std::map<std::string, c10::IValue> decode_saved_data(const std::string& state,
                                                      const std::vector<c10::SymInt>& ints);
 

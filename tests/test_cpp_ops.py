@@ -1,0 +1,96 @@
+"""Ops written in C++ with torch_opaque/op.h (examples/cpp), used from Python.
+
+scripts/dev.sh builds examples/cpp against the installed CMake package before
+the tests run; the library registers example::scaled_sin and example::top_value.
+"""
+
+import pathlib
+
+import pytest
+import torch
+
+import torch_opaque
+from conftest import aten_calls, op_calls
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+LIB = ROOT / "build" / "examples_cpp" / "libexample_ops.so"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def example_ops():
+    assert LIB.exists(), f"{LIB} is missing: run scripts/dev.sh build first"
+    torch_opaque.load_library(LIB)
+
+
+class Model(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        y = torch.ops.example.scaled_sin(self.lin(x), 2.0)
+        values, idx = torch.ops.example.top_value(y, 1)
+        return values, idx
+
+
+def test_schemas_and_eager_gradients():
+    assert str(torch.ops.example.scaled_sin.default._schema) == (
+        "example::scaled_sin(Tensor x, float scale) -> Tensor"
+    )
+    assert str(torch.ops.example.top_value.default._schema) == (
+        "example::top_value(Tensor x, int dim) -> (Tensor, Tensor)"
+    )
+    x = torch.randn(3, 5, dtype=torch.double, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda t: torch.ops.example.scaled_sin(t, 1.5), (x,))
+    assert torch.autograd.gradcheck(lambda t: torch.ops.example.top_value(t, 1)[0], (x,))
+    values, idx = torch.ops.example.top_value(x, 0)
+    assert values.requires_grad and not idx.requires_grad
+
+
+@pytest.mark.parametrize("strict", [False, True])
+def test_export_keeps_one_node_each_and_trains(strict):
+    torch.manual_seed(0)
+    model = Model()
+    ep = torch.export.export(
+        model, (torch.randn(6, 4),), dynamic_shapes=({0: torch.export.Dim("b")},), strict=strict
+    )
+    for prog in (ep, ep.run_decompositions()):
+        gm = prog.graph_module
+        assert len(op_calls(gm, "scaled_sin", "example")) == 1
+        assert len(op_calls(gm, "top_value", "example")) == 1
+        assert not aten_calls(gm, "sin") and not aten_calls(gm, "max")
+    x = torch.randn(9, 4)
+    mod = ep.module()
+    mod(x)[0].sum().backward()
+    model(x)[0].sum().backward()
+    for (name, p), q in zip(mod.named_parameters(), model.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, msg=name)
+
+
+@pytest.mark.parametrize(
+    "name,args",
+    [
+        ("scaled_sin", (torch.randn(3, 4, requires_grad=True), 0.5)),
+        ("scaled_sin", (torch.randn(2), 3.0)),
+        ("top_value", (torch.randn(3, 4, requires_grad=True), 1)),
+    ],
+)
+def test_opcheck(name, args):
+    torch.library.opcheck(getattr(torch.ops.example, name).default, args)
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_compile_fullgraph(backend):
+    def f(x):
+        v, _ = torch.ops.example.top_value(torch.ops.example.scaled_sin(x, 2.0), 1)
+        return v.exp()
+
+    compiled = torch.compile(f, backend=backend, fullgraph=True, dynamic=True)
+    for n in (3, 5):
+        x = torch.randn(n, 4, requires_grad=True)
+        x2 = x.detach().clone().requires_grad_()
+        out, ref = compiled(x), f(x2)
+        torch.testing.assert_close(out, ref)
+        out.sum().backward()
+        ref.sum().backward()
+        torch.testing.assert_close(x.grad, x2.grad)
