@@ -11,6 +11,7 @@
 #include <torch/csrc/autograd/saved_variable.h>
 #include <ATen/core/grad_mode.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
+#include <c10/util/SmallVector.h>
 #include <ATen/core/LegacyTypeDispatch.h>
 
 #include <optional>
@@ -195,7 +196,7 @@ void AutogradKernel::operator()(const c10::OperatorHandle& handle,
   }
 
   // Keep the inputs: they become next edges and may be saved.
-  std::vector<c10::IValue> inputs(stack->end() - n_args, stack->end());
+  c10::SmallVector<c10::IValue, 8> inputs(stack->end() - n_args, stack->end());
   std::optional<ForwardRecord> record;
   {
     ForwardCallScope scope(needs);
@@ -212,8 +213,7 @@ void AutogradKernel::operator()(const c10::OperatorHandle& handle,
   stack->pop_back();
   auto out_begin = stack->end() - n_out;
 
-  std::vector<at::Tensor> edge_tensors;
-  edge_tensors.reserve(edge_args.size());
+  c10::SmallVector<at::Tensor, 8> edge_tensors;
   for (size_t i : edge_args) edge_tensors.push_back(inputs[i].toTensor());
 
   std::vector<SavedRef> saved_refs = std::move(record->saved);
@@ -221,9 +221,10 @@ void AutogradKernel::operator()(const c10::OperatorHandle& handle,
   TORCH_CHECK(non_diff.empty() || non_diff.size() == n_out, op->qualified_name(),
               ": non_differentiable has ", non_diff.size(), " entries for ", n_out,
               " outputs.");
-  auto node = c10::make_intrusive<OpaqueBackward>(op, needs, edge_args,
-                                                  std::move(*record));
-  node->set_next_edges(torch::autograd::collect_next_edges(edge_tensors));
+  auto node = c10::make_intrusive<OpaqueBackward>(op, std::move(needs),
+                                                  std::move(edge_args), std::move(*record));
+  node->set_next_edges(
+      torch::autograd::collect_next_edges(at::ArrayRef<at::Tensor>(edge_tensors)));
 
   for (size_t k = 0; k < n_out; ++k) {
     c10::IValue& v = *(out_begin + k);

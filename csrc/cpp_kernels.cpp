@@ -1,42 +1,49 @@
 #include <torch_opaque/detail/cpp_kernels.h>
 
 #include <ATen/core/List.h>
+#include <c10/util/SmallVector.h>
 #include <c10/util/Exception.h>
 
 #include <cctype>
-#include <cstdio>
-#include <sstream>
+#include <charconv>
+#include <string_view>
 #include <unordered_map>
 
 namespace torch_opaque::detail {
 namespace {
 
-bool aliases_any(const at::Tensor& t, const std::vector<at::Tensor>& others) {
+bool aliases_any(const at::Tensor& t, c10::ArrayRef<at::Tensor> others) {
   for (const auto& o : others) {
     if (o.defined() && t.is_alias_of(o)) return true;
   }
   return false;
 }
 
-std::string escape(const std::string& s) {
-  std::string out;
-  for (unsigned char c : s) {
-    if (std::isalnum(c) || c == '_' || c == '-' || c == '.' || c == ' ') {
-      out += static_cast<char>(c);
-    } else {
-      char buf[4];
-      std::snprintf(buf, sizeof(buf), "%%%02X", c);
-      out += buf;
-    }
-  }
-  return out;
+bool plain_char(unsigned char c) {
+  return std::isalnum(c) || c == '_' || c == '-' || c == '.' || c == ' ';
 }
 
-std::string unescape(const std::string& s) {
+void append_escaped(std::string& out, std::string_view s) {
+  for (unsigned char c : s) {
+    if (plain_char(c)) {
+      out += static_cast<char>(c);
+    } else {
+      static const char* hex = "0123456789ABCDEF";
+      out += '%';
+      out += hex[c >> 4];
+      out += hex[c & 15];
+    }
+  }
+}
+
+std::string unescape(std::string_view s) {
+  if (s.find('%') == std::string_view::npos) return std::string(s);
   std::string out;
   for (size_t i = 0; i < s.size(); ++i) {
-    if (s[i] == '%' && i + 2 < s.size()) {
-      out += static_cast<char>(std::stoi(s.substr(i + 1, 2), nullptr, 16));
+    int v = 0;
+    if (s[i] == '%' && i + 2 < s.size() &&
+        std::from_chars(s.data() + i + 1, s.data() + i + 3, v, 16).ec == std::errc()) {
+      out += static_cast<char>(v);
       i += 2;
     } else {
       out += s[i];
@@ -45,35 +52,39 @@ std::string unescape(const std::string& s) {
   return out;
 }
 
-std::string double_text(double d) {
+// Shortest text that reads back as exactly `d` (std::to_chars round-trips).
+void append_double(std::string& out, double d) {
   char buf[32];
-  std::snprintf(buf, sizeof(buf), "%.17g", d);
-  return buf;
+  auto r = std::to_chars(buf, buf + sizeof(buf), d);
+  out.append(buf, r.ptr);
 }
 
-template <class T, class F>
-std::string join(const T& items, F f) {
-  std::string out;
-  bool first = true;
-  for (const auto& x : items) {
-    if (!first) out += ",";
-    out += f(x);
-    first = false;
-  }
-  return out;
+void append_int(std::string& out, int64_t i) {
+  char buf[24];
+  auto r = std::to_chars(buf, buf + sizeof(buf), i);
+  out.append(buf, r.ptr);
 }
 
-std::vector<std::string> split(const std::string& s, char sep) {
-  std::vector<std::string> out;
-  if (s.empty()) return out;
+template <class T>
+T parse_number(std::string_view s) {
+  T v{};
+  auto r = std::from_chars(s.data(), s.data() + s.size(), v);
+  TORCH_CHECK(r.ec == std::errc() && r.ptr == s.data() + s.size(),
+              "torch_opaque: malformed number '", std::string(s), "' in saved_data");
+  return v;
+}
+
+// Calls f(piece) for each sep-separated piece of s (none for an empty s).
+template <class F>
+void for_each_piece(std::string_view s, char sep, F f) {
+  if (s.empty()) return;
   size_t start = 0;
   while (true) {
     size_t p = s.find(sep, start);
-    out.push_back(s.substr(start, p - start));
-    if (p == std::string::npos) break;
+    f(s.substr(start, p == std::string_view::npos ? std::string_view::npos : p - start));
+    if (p == std::string_view::npos) break;
     start = p + 1;
   }
-  return out;
 }
 
 } // namespace
@@ -89,50 +100,72 @@ std::string encode_saved_data(const std::string& op_name,
                               const std::map<std::string, c10::IValue>& data,
                               std::vector<c10::SymInt>* ints) {
   std::string out;
+  out.reserve(32 * data.size());
   for (const auto& [name, v] : data) {
-    out += escape(name) + "=";
+    append_escaped(out, name);
+    out += '=';
     if (v.isNone()) {
       out += "n:";
     } else if (v.isBool()) {
-      out += std::string("b:") + (v.toBool() ? "1" : "0");
+      out += v.toBool() ? "b:1" : "b:0";
     } else if (v.isInt()) {
-      out += "i:" + std::to_string(v.toInt());
+      out += "i:";
+      append_int(out, v.toInt());
     } else if (v.isSymInt()) {
       ints->push_back(v.toSymInt());
-      out += "y:" + std::to_string(ints->size() - 1);
+      out += "y:";
+      append_int(out, ints->size() - 1);
     } else if (v.isDouble()) {
-      out += "f:" + double_text(v.toDouble());
+      out += "f:";
+      append_double(out, v.toDouble());
     } else if (v.isString()) {
-      out += "s:" + escape(v.toStringRef());
+      out += "s:";
+      append_escaped(out, v.toStringRef());
     } else if (v.isIntList()) {
-      out += "I:" + join(v.toIntVector(), [](int64_t x) { return std::to_string(x); });
+      out += "I:";
+      bool first = true;
+      for (int64_t x : v.toIntList()) {
+        if (!first) out += ',';
+        first = false;
+        append_int(out, x);
+      }
     } else if (v.isDoubleList()) {
-      out += "F:" + join(v.toDoubleVector(), double_text);
+      out += "F:";
+      bool first = true;
+      for (double x : v.toDoubleList()) {
+        if (!first) out += ',';
+        first = false;
+        append_double(out, x);
+      }
     } else if (v.isList() && is_symint_list(v)) {
-      std::string body;
+      out += "Y:";
       bool first = true;
       for (const c10::IValue& e : v.toListRef()) {
-        if (!first) body += ",";
+        if (!first) out += ',';
         first = false;
         if (e.isInt()) {
-          body += std::to_string(e.toInt());
+          append_int(out, e.toInt());
         } else {
           ints->push_back(e.toSymInt());
-          body += "s" + std::to_string(ints->size() - 1);
+          out += 's';
+          append_int(out, ints->size() - 1);
         }
       }
-      out += "Y:" + body;
     } else if (v.isBoolList()) {
-      auto l = v.toBoolList();
-      std::vector<bool> b(l.begin(), l.end());
-      out += "B:" + join(b, [](bool x) { return std::string(x ? "1" : "0"); });
+      out += "B:";
+      bool first = true;
+      for (bool x : v.toBoolList()) {
+        if (!first) out += ',';
+        first = false;
+        out += x ? '1' : '0';
+      }
     } else {
       TORCH_CHECK(false, op_name, ": ctx.saved_data[\"", name, "\"] holds a ", v.tagKind(),
                   ", which cannot be passed to the backward op. Save tensors with "
                   "ctx.save_for_backward and keep ints, doubles, bools, strings, SymInts "
                   "or lists of ints/doubles/bools in saved_data.");
     }
-    out += ";";
+    out += ';';
   }
   return out;
 }
@@ -140,72 +173,90 @@ std::string encode_saved_data(const std::string& op_name,
 std::map<std::string, c10::IValue> decode_saved_data(const std::string& state,
                                                      const std::vector<c10::SymInt>& ints) {
   std::map<std::string, c10::IValue> data;
-  for (const std::string& entry : split(state, ';')) {
-    if (entry.empty()) continue;
+  for_each_piece(state, ';', [&](std::string_view entry) {
+    if (entry.empty()) return;
     const size_t eq = entry.find('=');
-    TORCH_CHECK(eq != std::string::npos && entry.size() >= eq + 3 && entry[eq + 2] == ':',
-                "torch_opaque: malformed saved_data entry '", entry, "'");
-    const std::string name = unescape(entry.substr(0, eq));
+    TORCH_CHECK(eq != std::string_view::npos && entry.size() >= eq + 3 && entry[eq + 2] == ':',
+                "torch_opaque: malformed saved_data entry '", std::string(entry), "'");
+    std::string name = unescape(entry.substr(0, eq));
     const char tag = entry[eq + 1];
-    const std::string body = entry.substr(eq + 3);
+    const std::string_view body = entry.substr(eq + 3);
     c10::IValue v;
     switch (tag) {
       case 'n': break;
       case 'b': v = body == "1"; break;
-      case 'i': v = static_cast<int64_t>(std::stoll(body)); break;
-      case 'y': v = ints.at(std::stoul(body)); break;
-      case 'f': v = std::stod(body); break;
+      case 'i': v = parse_number<int64_t>(body); break;
+      case 'y': v = ints.at(parse_number<size_t>(body)); break;
+      case 'f': v = parse_number<double>(body); break;
       case 's': v = unescape(body); break;
       case 'I': {
         std::vector<int64_t> l;
-        for (const auto& x : split(body, ',')) l.push_back(std::stoll(x));
+        for_each_piece(body, ',', [&](std::string_view x) { l.push_back(parse_number<int64_t>(x)); });
         v = l;
         break;
       }
       case 'F': {
         std::vector<double> l;
-        for (const auto& x : split(body, ',')) l.push_back(std::stod(x));
+        for_each_piece(body, ',', [&](std::string_view x) { l.push_back(parse_number<double>(x)); });
         v = l;
         break;
       }
       case 'Y': {
         std::vector<c10::SymInt> l;
-        for (const auto& x : split(body, ',')) {
-          l.push_back(x[0] == 's' ? ints.at(std::stoul(x.substr(1))) : c10::SymInt(std::stoll(x)));
-        }
+        for_each_piece(body, ',', [&](std::string_view x) {
+          l.push_back(x.size() > 0 && x[0] == 's' ? ints.at(parse_number<size_t>(x.substr(1)))
+                                                  : c10::SymInt(parse_number<int64_t>(x)));
+        });
         v = c10::IValue(c10::SymIntArrayRef(l));
         break;
       }
       case 'B': {
         c10::List<bool> l;
-        for (const auto& x : split(body, ',')) l.push_back(x == "1");
+        for_each_piece(body, ',', [&](std::string_view x) { l.push_back(x == "1"); });
         v = l;
         break;
       }
       default: TORCH_CHECK(false, "torch_opaque: unknown saved_data tag '", tag, "'");
     }
-    data.emplace(name, std::move(v));
-  }
+    data.emplace(std::move(name), std::move(v));
+  });
   return data;
 }
 
 void finish_forward(const std::string& op_name, Context& ctx,
-                    const std::vector<c10::IValue>& inputs, std::vector<at::Tensor> outputs,
+                    c10::ArrayRef<c10::IValue> inputs, std::vector<at::Tensor> outputs,
                     bool recording, torch::jit::Stack* stack) {
-  // Input tensors, with where they come from.
-  std::vector<at::Tensor> input_tensors;
-  std::unordered_map<const c10::TensorImpl*, SavedRef> refs;
+  // Input tensors, with where they come from. Ops have few tensors: a linear
+  // search over a small inline vector beats a hash map.
+  c10::SmallVector<at::Tensor, 8> input_tensors;
+  c10::SmallVector<std::pair<const c10::TensorImpl*, SavedRef>, 8> refs;
+  auto find_ref = [&](const c10::TensorImpl* p) -> const SavedRef* {
+    for (const auto& r : refs) {
+      if (r.first == p) return &r.second;
+    }
+    return nullptr;
+  };
+  auto add_ref = [&](const c10::TensorImpl* p, SavedRef ref) {
+    if (!find_ref(p)) refs.emplace_back(p, ref);  // first one wins, as with emplace
+  };
+  auto aliases = [](const at::Tensor& t, c10::ArrayRef<at::Tensor> others) {
+    for (const auto& o : others) {
+      if (o.defined() && t.is_alias_of(o)) return true;
+    }
+    return false;
+  };
   for (size_t i = 0; i < inputs.size(); ++i) {
     if (inputs[i].isTensor()) {
       const at::Tensor& t = inputs[i].toTensor();
       input_tensors.push_back(t);
-      refs.emplace(t.unsafeGetTensorImpl(), SavedRef{SavedKind::Input, (int64_t)i, 0});
+      add_ref(t.unsafeGetTensorImpl(), SavedRef{SavedKind::Input, (int64_t)i, 0});
     } else if (inputs[i].isTensorList()) {
-      auto list = inputs[i].toTensorVector();
+      auto list = inputs[i].toTensorList();
       for (size_t j = 0; j < list.size(); ++j) {
-        input_tensors.push_back(list[j]);
-        refs.emplace(list[j].unsafeGetTensorImpl(),
-                     SavedRef{SavedKind::InputListItem, (int64_t)i, (int64_t)j});
+        at::Tensor t = list.get(j);
+        add_ref(t.unsafeGetTensorImpl(),
+                SavedRef{SavedKind::InputListItem, (int64_t)i, (int64_t)j});
+        input_tensors.push_back(std::move(t));
       }
     }
   }
@@ -213,8 +264,8 @@ void finish_forward(const std::string& op_name, Context& ctx,
   for (size_t k = 0; k < outputs.size(); ++k) {
     TORCH_CHECK(outputs[k].defined(), op_name, ": forward returned an undefined tensor as output ",
                 k, "; return a defined tensor.");
-    std::vector<at::Tensor> earlier(outputs.begin(), outputs.begin() + k);
-    if (aliases_any(outputs[k], input_tensors) || aliases_any(outputs[k], earlier)) {
+    if (aliases(outputs[k], input_tensors) ||
+        aliases(outputs[k], c10::ArrayRef<at::Tensor>(outputs.data(), k))) {
       outputs[k] = outputs[k].clone();
     }
   }
@@ -225,22 +276,28 @@ void finish_forward(const std::string& op_name, Context& ctx,
     return;
   }
   for (size_t k = 0; k < outputs.size(); ++k) {
-    refs[outputs[k].unsafeGetTensorImpl()] = SavedRef{SavedKind::Output, (int64_t)k, 0};
+    const c10::TensorImpl* p = outputs[k].unsafeGetTensorImpl();
+    SavedRef ref{SavedKind::Output, (int64_t)k, 0};
+    bool found = false;
+    for (auto& r : refs) {
+      if (r.first == p) { r.second = ref; found = true; break; }  // refs[p] = ref
+    }
+    if (!found) refs.emplace_back(p, ref);
   }
   ForwardRecord record;
+  record.saved.reserve(ctx.saved_tensors().size());
   for (const at::Tensor& t : ctx.saved_tensors()) {
     if (!t.defined()) {
       record.saved.push_back({SavedKind::None, 0, 0});
       continue;
     }
-    auto it = refs.find(t.unsafeGetTensorImpl());
-    if (it != refs.end()) {
-      record.saved.push_back(it->second);
+    if (const SavedRef* r = find_ref(t.unsafeGetTensorImpl())) {
+      record.saved.push_back(*r);
       continue;
     }
-    at::Tensor r = (aliases_any(t, input_tensors) || aliases_any(t, outputs)) ? t.clone() : t;
+    at::Tensor r = (aliases(t, input_tensors) || aliases(t, outputs)) ? t.clone() : t;
     SavedRef ref{SavedKind::Residual, (int64_t)residuals.size(), 0};
-    refs[t.unsafeGetTensorImpl()] = ref;
+    refs.emplace_back(t.unsafeGetTensorImpl(), ref);
     residuals.push_back(r);
     record.saved.push_back(ref);
   }
@@ -262,7 +319,9 @@ std::pair<Context, std::vector<at::Tensor>> start_backward(torch::jit::Stack* st
   auto args = torch::jit::last(*stack, 5);
   auto to_vec = [](const c10::IValue& v) {
     std::vector<at::Tensor> out;
-    for (const auto& t : v.toOptionalTensorList()) {
+    const auto list = v.toOptionalTensorList();
+    out.reserve(list.size());
+    for (const auto& t : list) {
       std::optional<at::Tensor> o = t;
       out.push_back(o.has_value() ? *o : at::Tensor());
     }
@@ -283,7 +342,7 @@ std::pair<Context, std::vector<at::Tensor>> start_backward(torch::jit::Stack* st
 
 void finish_backward(const std::string& op_name, const std::vector<bool>& tensor_args,
                      std::vector<at::Tensor> grads, const Context& ctx,
-                     const std::vector<at::Tensor>& grad_outputs, torch::jit::Stack* stack) {
+                     c10::ArrayRef<at::Tensor> grad_outputs, torch::jit::Stack* stack) {
   const size_t n = tensor_args.size();
   if (grads.size() > n) {
     for (size_t i = n; i < grads.size(); ++i) {

@@ -30,6 +30,7 @@
 
 #include <ATen/core/stack.h>
 #include <c10/util/Exception.h>
+#include <c10/util/SmallVector.h>
 
 #include <memory>
 #include <sstream>
@@ -62,7 +63,7 @@ struct has_backward<Op, std::void_t<decltype(Op::backward(std::declval<Context&>
                           std::vector<at::Tensor>> {};
 
 template <class Args, size_t... I>
-Args unbox(const std::vector<c10::IValue>& in, std::index_sequence<I...>) {
+Args unbox(c10::ArrayRef<c10::IValue> in, std::index_sequence<I...>) {
   return Args{ArgType<std::tuple_element_t<I, Args>>::from(in[I])...};
 }
 
@@ -86,7 +87,8 @@ BoxedKernel forward_kernel(Fn fn, std::string op_name) {
   using Sig = ForwardSignature<Fn>;
   using Args = typename Sig::args;
   return [fn, op_name](const c10::FunctionSchema&, torch::jit::Stack* stack) {
-    std::vector<c10::IValue> inputs(stack->end() - Sig::arity, stack->end());
+    c10::SmallVector<c10::IValue, 8> inputs(std::make_move_iterator(stack->end() - Sig::arity),
+                                            std::make_move_iterator(stack->end()));
     torch::jit::drop(*stack, Sig::arity);
     std::optional<std::vector<bool>> needs = take_needs_input_grad();
     const bool recording = needs.has_value();
@@ -103,7 +105,7 @@ template <class Op>
 BoxedKernel backward_kernel(std::string op_name, std::vector<bool> tensor_args) {
   return [op_name, tensor_args](const c10::FunctionSchema&, torch::jit::Stack* stack) {
     auto [ctx, grads] = start_backward(stack);
-    std::vector<at::Tensor> grad_outputs = grads;
+    c10::SmallVector<at::Tensor, 4> grad_outputs(grads.begin(), grads.end());
     std::vector<at::Tensor> result = Op::backward(ctx, std::move(grads));
     finish_backward(op_name, tensor_args, std::move(result), ctx, grad_outputs, stack);
   };

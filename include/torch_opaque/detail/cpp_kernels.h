@@ -18,7 +18,7 @@ namespace torch_opaque::detail {
 // input or another output) and the residual list; when `needs` is set,
 // reports the forward record built from `ctx`.
 void finish_forward(const std::string& op_name, Context& ctx,
-                    const std::vector<c10::IValue>& inputs,
+                    c10::ArrayRef<c10::IValue> inputs,
                     std::vector<at::Tensor> outputs, bool recording,
                     torch::jit::Stack* stack);
 
@@ -30,11 +30,11 @@ std::pair<Context, std::vector<at::Tensor>> start_backward(torch::jit::Stack* st
 // forward arguments (`tensor_args[i]`: whether argument i is a tensor).
 void finish_backward(const std::string& op_name, const std::vector<bool>& tensor_args,
                      std::vector<at::Tensor> grads, const Context& ctx,
-                     const std::vector<at::Tensor>& grad_outputs, torch::jit::Stack* stack);
+                     c10::ArrayRef<at::Tensor> grad_outputs, torch::jit::Stack* stack);
 
 // Note [saved_data encoding]
 // "name=<tag>:<value>;" per entry, names sorted, with tags i (int), f (double,
-// printed with 17 significant digits), b (bool), s (string, %-escaped),
+// shortest round-trip text, std::to_chars), b (bool), s (string, %-escaped),
 // n (None), y (SymInt: index into state_ints), I/F/B (lists, comma separated),
 // Y (list of SymInts: integers, or s<index> into state_ints).
 std::string encode_saved_data(const std::string& op_name,
