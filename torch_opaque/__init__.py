@@ -16,6 +16,8 @@ from . import _C  # noqa: F401
 from .auto_mode import auto, export
 from .function import DEFAULT_NAMESPACE, OpaqueFunction, is_wrapped, lookup, op, wrap
 from .errors import FakeForwardError, SchemaError, UnsupportedError
+from .archive import ArchiveError, OpNotAllowedError, load, save
+from . import passes
 from . import dynamo_hook as _dynamo_hook
 
 _dynamo_hook.install()
@@ -42,4 +44,9 @@ __all__ = [
     "FakeForwardError",
     "UnsupportedError",
     "DEFAULT_NAMESPACE",
+    "save",
+    "load",
+    "ArchiveError",
+    "OpNotAllowedError",
+    "passes",
 ]
