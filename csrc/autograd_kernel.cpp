@@ -199,7 +199,11 @@ void AutogradKernel::operator()(const c10::OperatorHandle& handle,
   c10::SmallVector<c10::IValue, 8> inputs(stack->end() - n_args, stack->end());
   std::optional<ForwardRecord> record;
   {
-    ForwardCallScope scope(needs);
+    c10::List<bool> flags;
+    flags.reserve(needs.size());
+    for (bool b : needs) flags.push_back(b);
+    stack->emplace_back(std::move(flags));  // `_fwd`'s needs_input_grad
+    ForwardCallScope scope(std::nullopt);
     at::AutoDispatchBelowADInplaceOrView guard;
     at::AutoGradMode no_grad(false);  // forwards run without grad, as in autograd.Function
     op->forward_op().callBoxed(stack);

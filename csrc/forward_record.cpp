@@ -17,6 +17,12 @@ std::optional<std::vector<bool>> take_needs_input_grad() {
   return std::exchange(tls_call.needs_input_grad, std::nullopt);
 }
 
+namespace detail {
+void set_needs_input_grad(std::optional<std::vector<bool>> needs) {
+  tls_call.needs_input_grad = std::move(needs);
+}
+} // namespace detail
+
 void set_forward_record(ForwardRecord record) {
   tls_call.record = std::move(record);
 }

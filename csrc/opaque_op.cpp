@@ -17,6 +17,35 @@
 namespace torch_opaque {
 namespace {
 
+// `ns::Name_fwd`: the trailing `needs_input_grad` argument is handed to the
+// user kernel through take_needs_input_grad(), so kernels see exactly the
+// arguments of `ns::Name`.
+void call_forward(const BoxedKernel& fn, const c10::FunctionSchema& fwd_schema,
+                  torch::jit::Stack* stack) {
+  c10::IValue needs = std::move(stack->back());
+  stack->pop_back();
+  std::optional<std::vector<bool>> flags;
+  if (!needs.isNone()) {
+    auto list = needs.toBoolList();
+    flags.emplace(list.begin(), list.end());
+  }
+  detail::set_needs_input_grad(std::move(flags));
+  fn(fwd_schema, stack);
+  take_needs_input_grad();  // in case the kernel did not take them
+}
+
+class ForwardKernel final : public c10::OperatorKernel {
+ public:
+  explicit ForwardKernel(BoxedKernel fn) : fn_(std::move(fn)) {}
+  void operator()(const c10::OperatorHandle& op, c10::DispatchKeySet,
+                  torch::jit::Stack* stack) {
+    call_forward(fn_, op.schema(), stack);
+  }
+
+ private:
+  BoxedKernel fn_;
+};
+
 // Runs a user kernel for the schema of the op it is registered on.
 class UserKernel final : public c10::OperatorKernel {
  public:
@@ -42,7 +71,8 @@ class InferenceKernel final : public c10::OperatorKernel {
     detail::ForwardCallScope scope(std::nullopt);
     at::AutoGradMode no_grad(false);  // forwards run without grad, as in autograd.Function
     const auto& def = op->definition();
-    (meta_ ? def.meta_forward : def.forward)(op->forward_op().schema(), stack);
+    stack->emplace_back();  // needs_input_grad=None: nothing is recorded
+    call_forward(meta_ ? def.meta_forward : def.forward, op->forward_op().schema(), stack);
     stack->pop_back(); // residuals
   }
 
@@ -110,6 +140,9 @@ std::shared_ptr<OpaqueOp> define_op(OpDefinition def) {
               " must return at least one tensor.");
   TORCH_CHECK(def.forward && def.backward, "torch_opaque: ", qual,
               " needs both a forward and a backward kernel.");
+  TORCH_CHECK(def.arguments.find(" needs_input_grad") == std::string::npos, "torch_opaque: ",
+              qual, " has an argument named 'needs_input_grad', which `", def.name,
+              "_fwd` uses itself; rename the argument.");
   auto& dispatcher = c10::Dispatcher::singleton();
   for (const char* suffix : {"", "_fwd", "_bwd"}) {
     TORCH_CHECK(!dispatcher.findSchema({def.ns + "::" + def.name + suffix, def.overload}),
@@ -120,8 +153,13 @@ std::shared_ptr<OpaqueOp> define_op(OpDefinition def) {
 
   const std::string main_schema = with_overload(def.name, def.overload) + "(" +
       def.arguments + ") -> " + returns_string(def.returns, false);
+  // Note [needs_input_grad of _fwd]
+  // What the forward saves may depend on ctx.needs_input_grad, so `_fwd` takes
+  // it as an argument: a traced training graph replays the flags it was traced
+  // with, and `_fwd` called from a compiled graph returns the same residuals.
   const std::string fwd_schema = with_overload(def.name + "_fwd", def.overload) + "(" +
-      def.arguments + ") -> " + returns_string(def.returns, true);
+      def.arguments + (def.arguments.empty() ? "" : ", ") +
+      "bool[]? needs_input_grad=None) -> " + returns_string(def.returns, true);
   const std::string bwd_schema = with_overload(def.name + "_bwd", def.overload) +
       "(Tensor?[] saved, Tensor?[] grads, bool[] needs_input_grad, str state, "
       "SymInt[] state_ints) -> Tensor?[]";
@@ -156,7 +194,7 @@ std::shared_ptr<OpaqueOp> define_op(OpDefinition def) {
   lib->impl(with_overload(def.name + "_fwd", def.overload).c_str(),
             torch::dispatch(c10::DispatchKey::CompositeExplicitAutograd,
                             torch::CppFunction::makeFromBoxedFunctor(
-                                std::make_unique<UserKernel>(def.forward))));
+                                std::make_unique<ForwardKernel>(def.forward))));
   lib->impl(with_overload(def.name + "_bwd", def.overload).c_str(),
             torch::dispatch(c10::DispatchKey::CompositeExplicitAutograd,
                             torch::CppFunction::makeFromBoxedFunctor(
@@ -169,7 +207,7 @@ std::shared_ptr<OpaqueOp> define_op(OpDefinition def) {
     lib->impl(with_overload(def.name + "_fwd", def.overload).c_str(),
               torch::dispatch(c10::DispatchKey::Meta,
                               torch::CppFunction::makeFromBoxedFunctor(
-                                  std::make_unique<UserKernel>(def.meta_forward))));
+                                  std::make_unique<ForwardKernel>(def.meta_forward))));
   }
   // `_fwd` and `_bwd` are not differentiable themselves: differentiating
   // through them (double backward) fails with a clear message instead of

@@ -167,3 +167,37 @@ def test_func_grad_and_vjp():
 def test_func_vmap_runs_per_sample():
     x = torch.randn(3, 4)
     torch.testing.assert_close(torch.func.vmap(CSin.apply)(x), x.sin())
+
+
+@torch_opaque.op(name="TanhResidual")
+class TanhResidual(torch.autograd.Function):
+    """Saves an intermediate (a residual of `_fwd`) only when x needs a gradient."""
+
+    @staticmethod
+    def forward(ctx, x, y):
+        t = x.tanh()
+        if ctx.needs_input_grad[0]:
+            ctx.save_for_backward(t)
+        return t * y
+
+    @staticmethod
+    def backward(ctx, g):
+        (t,) = ctx.saved_tensors
+        return g * (1 - t * t) * 3, None
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_compiled_forward_returns_the_residuals_it_was_traced_with(backend):
+    # The compiled forward graph calls `_fwd` directly (no Autograd kernel); the
+    # traced needs_input_grad argument makes it save the same residuals.
+    backend_fn = RecordingBackend() if backend == "aot_eager" else backend
+    f = torch.compile(lambda x, y: TanhResidual.apply(x, y), backend=backend_fn, fullgraph=True)
+    x = torch.randn(5, requires_grad=True)
+    y = torch.randn(5)
+    out = f(x, y)
+    out.sum().backward()
+    torch.testing.assert_close(out, x.detach().tanh() * y)
+    torch.testing.assert_close(x.grad, (1 - x.detach().tanh() ** 2) * 3)
+    if backend == "aot_eager":
+        (node,) = op_calls(backend_fn.fw[0], "TanhResidual")
+        assert node.args[-1] == [True, False]

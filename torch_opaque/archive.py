@@ -1106,7 +1106,11 @@ class _StoredOverload:
     def fake_fwd(self, *args, **kwargs):
         from .kernels import _unalias
 
-        needs = _C.take_needs_input_grad()
+        # `_fwd`'s last argument is needs_input_grad (none when called as the op).
+        needs = kwargs.pop("needs_input_grad", None)
+        if len(args) > len(self.schema.arguments):
+            needs = args[len(self.schema.arguments)]
+            args = args[: len(self.schema.arguments)]
         args = _full_args(self.schema, args, kwargs)
         v, flat = self.select(args, fake=True)
         outs, residuals, ints = self.split(v, v.fwd.forward(flat))

@@ -219,14 +219,22 @@ class FakeRunner(Runner):
     """The forward on fake tensors: the user's ``fake`` if given, else forward.
 
     PyTorch calls it from Python as the fake kernel of `_fwd` (with the
-    arguments as the caller passed them), so it takes needs_input_grad from,
-    and reports the record to, the C++ core itself.
+    arguments as the caller passed them), so it reads needs_input_grad from
+    its arguments and reports the record to the C++ core itself.
     """
 
     in_python = True
 
     def __call__(self, *args, **kwargs):
-        needs = _C.take_needs_input_grad()
+        # As the fake kernel of `_fwd`, the last argument is needs_input_grad
+        # (Note [needs_input_grad of _fwd], csrc/opaque_op.cpp); as the fake
+        # kernel of the op itself there is none.
+        needs = kwargs.pop("needs_input_grad", None)
+        if len(args) > self.n_args:
+            needs = args[self.n_args]
+            args = args[: self.n_args]
+        if needs is not None:
+            needs = tuple(needs)
         if kwargs or len(args) != self.n_args:
             args = self.complete(args, kwargs)
         *outs, residuals, record = Runner.__call__(self, needs, *args)

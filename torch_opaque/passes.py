@@ -243,12 +243,16 @@ def _python_decomposition(info: OpaqueInfo) -> Optional[Callable]:
 
     def forward(*args, **kwargs):
         args = _full_args(schema, args, kwargs)
+        traced_needs = args.pop() if training else None  # `_fwd`'s needs_input_grad
         for i, conv in runner.convs:
             if args[i] is not None:
                 args[i] = conv(args[i])
-        needs = tuple(
-            training and s.is_tensor and a is not None for s, a in zip(ov.specs, args)
-        )
+        if traced_needs is not None:
+            needs = tuple(traced_needs)
+        else:
+            needs = tuple(
+                training and s.is_tensor and a is not None for s, a in zip(ov.specs, args)
+            )
         ctx = ForwardContext(fn.display_name, needs)
         # grad mode is left alone: toggling it would be recorded in the graph
         outs = runner.outputs(runner.call_user(ctx, args, grad_off=False))
@@ -274,7 +278,8 @@ def _stored_decomposition(info: OpaqueInfo) -> Optional[Callable]:
     if info.role == "fwd":
 
         def forward(*args, **kwargs):
-            args = _full_args(sov.schema, args, kwargs)
+            kwargs.pop("needs_input_grad", None)
+            args = _full_args(sov.schema, args[: len(sov.schema.arguments)], kwargs)
             v, flat = sov.select(args, fake=True)
             outs, residuals, _ = sov.split(v, v.fwd.forward(flat))
             return (*outs, list(residuals))
@@ -397,7 +402,10 @@ def _strip(gm, chosen, strict: bool) -> int:
                 )
             graph = m.graph
             with graph.inserting_before(node):
-                new = graph.call_function(op, tuple(node.args), dict(node.kwargs))
+                # drop `_fwd`'s trailing needs_input_grad argument
+                n_args = len(op._schema.arguments)
+                kwargs = {k: v for k, v in node.kwargs.items() if k != "needs_input_grad"}
+                new = graph.call_function(op, tuple(node.args)[:n_args], kwargs)
             new.meta = dict(node.meta)
             val = node.meta.get("val")
             if isinstance(val, (tuple, list)):

@@ -239,7 +239,9 @@ BoxedKernel make_python_kernel(py::object fn, KernelRole role) {
     py::gil_scoped_acquire gil;
     if (!kinds->has_value()) *kinds = kinds_of(schema);
     const Kinds& k = **kinds;
-    const size_t n = k.args.size();
+    // A forward kernel gets `_fwd`'s schema without its last argument
+    // (needs_input_grad, passed as the callable's first argument instead).
+    const size_t n = k.args.size() - (forward ? 1 : 0);
     const size_t first = forward ? 1 : 0;
     py::tuple py_args(n + first);
     if (forward) {

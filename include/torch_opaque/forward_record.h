@@ -56,6 +56,9 @@ std::optional<std::vector<bool>> take_needs_input_grad();
 void set_forward_record(ForwardRecord record);
 
 namespace detail {
+// Used by the `_fwd` kernel wrapper (Note [needs_input_grad of _fwd]).
+void set_needs_input_grad(std::optional<std::vector<bool>> needs);
+
 // Used by the Autograd kernel around a `_fwd` call.
 class ForwardCallScope {
  public:

@@ -4,7 +4,8 @@
 //
 // define_op registers three operators from one definition:
 //   ns::Name.overload(<arguments>) -> <returns>
-//   ns::Name_fwd.overload(<arguments>) -> (<returns>, Tensor[] residuals)
+//   ns::Name_fwd.overload(<arguments>, bool[]? needs_input_grad=None)
+//       -> (<returns>, Tensor[] residuals)
 //   ns::Name_bwd.overload(Tensor?[] saved, Tensor?[] grads,
 //                         bool[] needs_input_grad, str state,
 //                         SymInt[] state_ints) -> Tensor?[]
@@ -39,8 +40,11 @@ struct OpDefinition {
   std::string overload;  // "" for the default overload
   std::string arguments; // e.g. "Tensor x, float alpha=1.0"
   std::vector<std::string> returns; // e.g. {"Tensor", "Tensor"}; at least one
-  // Arguments of `ns::Name`; returns `returns` followed by Tensor[] residuals.
-  // When take_needs_input_grad() gives flags, it must call set_forward_record.
+  // Finds the arguments of `ns::Name` on the stack (the schema it is given is
+  // `_fwd`'s, whose last argument, needs_input_grad, is passed through
+  // take_needs_input_grad() instead); returns `returns` followed by Tensor[]
+  // residuals. When take_needs_input_grad() gives flags, it must call
+  // set_forward_record.
   BoxedKernel forward;
   // Arguments of `ns::Name_bwd`; returns one Tensor? per forward argument.
   BoxedKernel backward;

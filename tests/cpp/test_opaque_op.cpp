@@ -76,7 +76,8 @@ TEST(OpaqueOp, RegistersThreeOperatorsWithSchemas) {
   EXPECT_EQ(c10::toString(op->op().schema()),
             "opaque_test::" + name + "(Tensor x, float scale) -> Tensor");
   EXPECT_EQ(c10::toString(op->forward_op().schema()),
-            "opaque_test::" + name + "_fwd(Tensor x, float scale) -> (Tensor, Tensor[])");
+            "opaque_test::" + name +
+                "_fwd(Tensor x, float scale, bool[]? needs_input_grad=None) -> (Tensor, Tensor[])");
   EXPECT_EQ(c10::toString(op->backward_op().schema()),
             "opaque_test::" + name +
                 "_bwd(Tensor?[] saved, Tensor?[] grads, bool[] needs_input_grad, str state, "
