@@ -32,8 +32,9 @@ from torch.autograd.function import _is_setup_context_defined
 
 from . import _C
 from .errors import FakeForwardError
-from .kernels import BackwardRunner, FakeRunner, InferenceFake, Runner, make_backward_fake
-from .schema import SchemaError, kinds_key, returns_from_hint, specs_from_hints
+from .kernels import BackwardRunner, FakeRunner, InferenceFake, Runner, check_tensor_outputs
+from .kernels import make_backward_fake
+from .schema import kinds_key, returns_from_hint, specs_from_hints
 from .schema import specs_from_values
 
 DEFAULT_NAMESPACE = "opaque"
@@ -264,19 +265,7 @@ class OpaqueFunction:
                     ForwardContext(self.display_name, (False,) * len(values)), values
                 )
         outs = out if isinstance(out, tuple) else (out,)
-        for k, o in enumerate(outs):
-            if not isinstance(o, torch.Tensor):
-                raise SchemaError(
-                    f"torch_opaque: {self.display_name}.forward returned a "
-                    f"{type(o).__name__} as output {k}; opaque ops return tensors only. "
-                    f"Return a tensor (e.g. torch.tensor(value)) or keep this Function "
-                    f"unwrapped."
-                )
-        if not outs:
-            raise SchemaError(
-                f"torch_opaque: {self.display_name}.forward returned no tensors; an opaque op "
-                f"needs at least one output."
-            )
+        check_tensor_outputs(self.display_name, outs)
         return len(outs), isinstance(out, tuple)
 
 

@@ -39,6 +39,21 @@ def fake_forward_error(fn_name: str, err: BaseException) -> FakeForwardError:
     )
 
 
+def check_tensor_outputs(fn_name: str, outs: tuple) -> None:
+    if not outs:
+        raise SchemaError(
+            f"torch_opaque: {fn_name}.forward returned no tensors; an opaque op needs at "
+            f"least one output."
+        )
+    for k, o in enumerate(outs):
+        if not isinstance(o, torch.Tensor):
+            raise SchemaError(
+                f"torch_opaque: {fn_name}.forward returned a {type(o).__name__} as output {k}; "
+                f"opaque ops return tensors only. Return a tensor (e.g. torch.tensor(value)) "
+                f"or keep this Function unwrapped."
+            )
+
+
 class Runner:
     """Calls the user's forward with a ForwardContext: the real kernel of `_fwd`.
 
@@ -91,13 +106,7 @@ class Runner:
                 f"annotation). A wrapped Function must always return the same number of "
                 f"tensors for the same kinds of arguments."
             )
-        for k, o in enumerate(outs):
-            if not isinstance(o, torch.Tensor):
-                raise SchemaError(
-                    f"torch_opaque: {self.fn_name}.forward returned a {type(o).__name__} as "
-                    f"output {k}; opaque ops return tensors only. Return a tensor (e.g. "
-                    f"torch.tensor(value)) or keep this Function unwrapped."
-                )
+        check_tensor_outputs(self.fn_name, outs)
         return outs
 
     def __call__(self, needs, *args):
