@@ -97,7 +97,7 @@ def _inferred_schema(target: str, node: dict) -> str:
 
 
 def _first_nodes(contents) -> dict:
-    from .archive import _json_nodes
+    from .archive_format import _json_nodes
 
     first: dict = {}
     for model in contents.models.values():
@@ -109,7 +109,7 @@ def _first_nodes(contents) -> dict:
 
 
 def inspect_pt2(path: str) -> str:
-    from .archive import read_archive
+    from .archive_format import read_archive
 
     contents = read_archive(path)
     counts = contents.custom_targets()
@@ -167,7 +167,7 @@ def _manifest_calls(desc, target: str) -> int:
 
 def _pt2_graph(path: str):
     """(nodes, edges) of the first model: nodes are (id, label, kind)."""
-    from .archive import read_archive
+    from .archive_format import read_archive
 
     contents = read_archive(path)
     if not contents.models:
@@ -418,7 +418,7 @@ def _kind(path: str) -> str:
 
 
 def inspect_file(path: str, graph: Optional[str] = None) -> str:
-    from .archive import ArchiveError
+    from .archive_format import ArchiveError
 
     if not os.path.exists(path):
         raise InspectError(f"{path}: no such file")

@@ -97,7 +97,7 @@ def _defined_by(info: OpaqueInfo) -> Optional[str]:
     if info.function is not None:
         cls = info.function.cls
         return f"{cls.__module__}.{cls.__qualname__}"
-    from .archive import _STORED
+    from .stored_ops import _STORED
 
     stored = _STORED.get((info.namespace, info.name))
     if stored is not None and stored.entry.get("module"):
@@ -213,7 +213,7 @@ def _chooser(ops, nodes: list) -> Callable[[OpaqueInfo], bool]:
 
 
 def _full_args(schema, args, kwargs) -> list:
-    from .archive import _full_args as full
+    from .archive_format import _full_args as full
 
     return full(schema, args, kwargs)
 
@@ -268,7 +268,7 @@ def _python_decomposition(info: OpaqueInfo) -> Optional[Callable]:
 
 def _stored_decomposition(info: OpaqueInfo) -> Optional[Callable]:
     """The forward of an op re-created from a self-contained archive."""
-    from .archive import stored_overload
+    from .stored_ops import stored_overload
 
     sov = stored_overload(info.namespace, info.name, info.overload)
     if sov is None:
