@@ -16,6 +16,8 @@ from typing import Any, Iterable, Optional
 
 import torch
 
+from .ops import is_opaque_triple, schema_or_none
+
 
 
 
@@ -50,15 +52,8 @@ def _packet(ns: str, name: str):
     return getattr(getattr(torch.ops, ns), name)
 
 
-def _schema_or_none(ns: str, name: str, overload: str):
-    try:
-        return torch._C._get_schema(f"{ns}::{name}", "" if overload == "default" else overload)
-    except RuntimeError:
-        return None
-
-
-def _overload_exists(ns: str, name: str, overload: str) -> bool:
-    return all(_schema_or_none(ns, name + s, overload) is not None for s in ("", "_fwd", "_bwd"))
+_schema_or_none = schema_or_none
+_overload_exists = is_opaque_triple
 
 
 def _op_overload(ns: str, name: str, overload: str):

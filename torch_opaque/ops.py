@@ -54,12 +54,17 @@ class OpaqueInfo:
         return self.function.overloads.get(self.overload)
 
 
-def _has_schema(ns: str, name: str, overload: str) -> bool:
+def schema_or_none(ns: str, name: str, overload: str):
+    """The registered schema of ``ns::name.overload`` ("default" for none), or None."""
     try:
-        torch._C._get_schema(f"{ns}::{name}", "" if overload == "default" else overload)
-        return True
+        return torch._C._get_schema(f"{ns}::{name}", "" if overload == "default" else overload)
     except RuntimeError:
-        return False
+        return None
+
+
+def is_opaque_triple(ns: str, name: str, overload: str) -> bool:
+    """Whether ``ns::name`` and its ``_fwd`` / ``_bwd`` companions all exist."""
+    return all(schema_or_none(ns, name + s, overload) is not None for s in ("", "_fwd", "_bwd"))
 
 
 def opaque_info(target) -> Optional[OpaqueInfo]:
@@ -77,7 +82,7 @@ def opaque_info(target) -> Optional[OpaqueInfo]:
         fn = _BY_OPNAME.get((ns, base))
         if fn is None:
             # C++-defined ops: all three companions exist.
-            if not all(_has_schema(ns, base + s, overload) for s in ("", "_fwd", "_bwd")):
+            if not is_opaque_triple(ns, base, overload):
                 continue
         return OpaqueInfo(ns, base, overload, role, target, fn)
     return None

@@ -17,6 +17,7 @@ Example::
 
 from __future__ import annotations
 
+import collections.abc
 import dataclasses
 import inspect
 import typing
@@ -189,9 +190,7 @@ def _spec_from_hint(fn_name: str, name: str, hint: Any, default: Any) -> ArgSpec
         if conv is _to_tuple:
             conv = _to_optional_tuple
         return ArgSpec(name, base.type + "?", base.token, conv, default)
-    if origin in (list, tuple, typing.Sequence) or origin is getattr(
-        __import__("collections.abc").abc, "Sequence"
-    ):
+    if origin in (list, tuple, collections.abc.Sequence):
         elems = [a for a in targs if a is not Ellipsis]
         if len(set(elems)) == 1 and elems[0] in _HINT_ELEMS:
             conv = _to_tuple if origin is tuple else None

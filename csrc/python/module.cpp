@@ -12,14 +12,6 @@ namespace py = pybind11;
 namespace torch_opaque::python {
 namespace {
 
-py::object take_needs_input_grad_py() {
-  auto needs = take_needs_input_grad();
-  if (!needs) return py::none();
-  py::tuple t(needs->size());
-  for (size_t i = 0; i < needs->size(); ++i) t[i] = py::bool_((*needs)[i]);
-  return std::move(t);
-}
-
 void set_forward_record_py(const std::vector<int64_t>& saved,
                            const std::vector<bool>& non_differentiable,
                            bool materialize_grads, std::string state,
@@ -65,9 +57,6 @@ PYBIND11_MODULE(_C, m) {
       },
       py::arg("ns"), py::arg("name"), py::arg("overload"), py::arg("arguments"),
       py::arg("returns"), py::arg("forward"), py::arg("backward"));
-  m.def("take_needs_input_grad", &take_needs_input_grad_py,
-        "Inside a forward kernel: the needs_input_grad flags of this call "
-        "(a tuple), or None when the call is not recorded for autograd.");
   m.def("set_forward_record", &set_forward_record_py, py::arg("saved"),
         py::arg("non_differentiable"), py::arg("materialize_grads"), py::arg("state"),
         py::arg("state_ints"));
