@@ -60,6 +60,8 @@ class Overload:
         self.specs = specs
         self.n_out = n_out
         self.returns_tuple = returns_tuple
+        self.fn = fn
+        self.overload = overload
         self.name = overload or "default"
         name = fn.display_name
         forward = fn.cls.forward
@@ -93,12 +95,14 @@ class Overload:
             return (out,)
         return out
 
-    def direct(self):
-        """The fastest callable for positional arguments: the op's C++ builtin."""
-        call = self.op._op
-        if self.returns_tuple and self.n_out == 1:
-            return lambda *args: (call(*args),)
-        return call
+    def direct_entry(self) -> tuple:
+        """(qualified name, overload, wrap_single): how DirectApply calls this
+        overload (Note [Direct apply] in csrc/python/direct_apply.h)."""
+        return (
+            f"{self.fn.namespace}::{self.fn.name}",
+            self.overload,
+            self.returns_tuple and self.n_out == 1,
+        )
 
 
 class OpaqueFunction:
@@ -143,9 +147,10 @@ class OpaqueFunction:
         self.overloads: dict = {}  # overload name -> Overload
         self._by_kinds: dict = {}  # kinds_key -> Overload
         self._single: Optional[Overload] = None  # set when the schema comes from hints
-        # Note [Direct apply]: argument types -> the op's builtin, for calls that
-        # need no binding or conversion (filled by apply, read by the class's apply).
-        self.direct: dict = {}
+        # Note [Direct apply] (csrc/python/direct_apply.h): the C-level Cls.apply,
+        # and the argument-type signatures it already routes to an overload.
+        self.direct_apply = None
+        self.direct_keys: set = set()
 
     def __repr__(self):
         return f"<torch_opaque op {self.namespace}::{self.name} for {self.display_name}>"
@@ -169,10 +174,11 @@ class OpaqueFunction:
         ov = self._single
         if ov is None:
             ov = self._by_kinds.get(kinds_key(values)) or self.overload_for(values)
-        if not kwargs and len(args) == len(values):
+        if self.direct_apply is not None and not kwargs and len(args) == len(values):
             key = tuple(map(type, args))
-            if list not in key and tuple not in key:
-                self.direct[key] = ov.direct()
+            if key not in self.direct_keys and list not in key and tuple not in key:
+                self.direct_keys.add(key)
+                self.direct_apply.add(key, *ov.direct_entry())
         return ov(values)
 
     # ---- defining overloads ----------------------------------------------------------
@@ -291,19 +297,9 @@ _patched_apply.__name__ = "apply"
 
 
 def _make_apply(cls: type, fn: OpaqueFunction):
-    """``cls.apply``: a dictionary hit on the argument types calls the op directly."""
-    direct = fn.direct
-
-    def apply(c, *args, **kwargs):
-        if c is cls and not kwargs:
-            call = direct.get(tuple(map(type, args)))
-            if call is not None:
-                return call(*args)
-        return _patched_apply(c, *args, **kwargs)
-
-    apply.__name__ = "apply"
-    apply.__qualname__ = f"{cls.__qualname__}.apply"
-    return apply
+    """``cls.apply``: a C-level DirectApply with ``_patched_apply`` as its fallback."""
+    fn.direct_apply = _C.DirectApply(cls, _patched_apply)
+    return fn.direct_apply
 
 
 def _check_wrappable(cls) -> None:
