@@ -226,28 +226,37 @@ std::map<std::string, c10::IValue> decode_saved_data(const std::string& state,
 void finish_forward(const std::string& op_name, Context& ctx,
                     c10::ArrayRef<c10::IValue> inputs, std::vector<at::Tensor> outputs,
                     bool recording, torch::jit::Stack* stack) {
+  ForwardOutcome outcome;
+  outcome.outputs = std::move(outputs);
+  if (recording) {
+    outcome.saved = ctx.saved_tensors();
+    outcome.non_differentiable = ctx.non_differentiable();
+    outcome.materialize_grads = ctx.materialize_grads();
+    outcome.state = encode_saved_data(op_name, ctx.saved_data, &outcome.state_ints);
+  }
+  finish_forward(op_name, inputs, std::move(outcome), recording, stack);
+}
+
+void finish_forward(const std::string& op_name, c10::ArrayRef<c10::IValue> inputs,
+                    ForwardOutcome outcome, bool recording, torch::jit::Stack* stack) {
+  std::vector<at::Tensor>& outputs = outcome.outputs;
   // Input tensors, with where they come from. Ops have few tensors: a linear
   // search over a small inline vector beats a hash map.
   c10::SmallVector<at::Tensor, 8> input_tensors;
   c10::SmallVector<std::pair<const c10::TensorImpl*, SavedRef>, 8> refs;
-  auto find_ref = [&](const c10::TensorImpl* p) -> const SavedRef* {
-    for (const auto& r : refs) {
+  auto find_ref = [&](const c10::TensorImpl* p) -> SavedRef* {
+    for (auto& r : refs) {
       if (r.first == p) return &r.second;
     }
     return nullptr;
   };
   auto add_ref = [&](const c10::TensorImpl* p, SavedRef ref) {
-    if (!find_ref(p)) refs.emplace_back(p, ref);  // first one wins, as with emplace
-  };
-  auto aliases = [](const at::Tensor& t, c10::ArrayRef<at::Tensor> others) {
-    for (const auto& o : others) {
-      if (o.defined() && t.is_alias_of(o)) return true;
-    }
-    return false;
+    if (!find_ref(p)) refs.emplace_back(p, ref);  // the first one wins
   };
   for (size_t i = 0; i < inputs.size(); ++i) {
     if (inputs[i].isTensor()) {
       const at::Tensor& t = inputs[i].toTensor();
+      if (!t.defined()) continue;
       input_tensors.push_back(t);
       add_ref(t.unsafeGetTensorImpl(), SavedRef{SavedKind::Input, (int64_t)i, 0});
     } else if (inputs[i].isTensorList()) {
@@ -260,12 +269,23 @@ void finish_forward(const std::string& op_name, Context& ctx,
       }
     }
   }
+  // Which outputs are non-differentiable, by the tensors the forward returned
+  // (before any copy below).
+  std::vector<bool> non_diff;
+  if (recording && !outcome.non_differentiable.empty()) {
+    non_diff.assign(outputs.size(), false);
+    for (const auto& nd : outcome.non_differentiable) {
+      for (size_t k = 0; k < outputs.size(); ++k) {
+        if (nd.defined() && nd.is_same(outputs[k])) non_diff[k] = true;
+      }
+    }
+  }
   // Operator outputs must not alias inputs or each other.
   for (size_t k = 0; k < outputs.size(); ++k) {
     TORCH_CHECK(outputs[k].defined(), op_name, ": forward returned an undefined tensor as output ",
                 k, "; return a defined tensor.");
-    if (aliases(outputs[k], input_tensors) ||
-        aliases(outputs[k], c10::ArrayRef<at::Tensor>(outputs.data(), k))) {
+    if (aliases_any(outputs[k], input_tensors) ||
+        aliases_any(outputs[k], c10::ArrayRef<at::Tensor>(outputs.data(), k))) {
       outputs[k] = outputs[k].clone();
     }
   }
@@ -278,15 +298,15 @@ void finish_forward(const std::string& op_name, Context& ctx,
   for (size_t k = 0; k < outputs.size(); ++k) {
     const c10::TensorImpl* p = outputs[k].unsafeGetTensorImpl();
     SavedRef ref{SavedKind::Output, (int64_t)k, 0};
-    bool found = false;
-    for (auto& r : refs) {
-      if (r.first == p) { r.second = ref; found = true; break; }  // refs[p] = ref
+    if (SavedRef* r = find_ref(p)) {
+      *r = ref;
+    } else {
+      refs.emplace_back(p, ref);
     }
-    if (!found) refs.emplace_back(p, ref);
   }
   ForwardRecord record;
-  record.saved.reserve(ctx.saved_tensors().size());
-  for (const at::Tensor& t : ctx.saved_tensors()) {
+  record.saved.reserve(outcome.saved.size());
+  for (const at::Tensor& t : outcome.saved) {
     if (!t.defined()) {
       record.saved.push_back({SavedKind::None, 0, 0});
       continue;
@@ -295,22 +315,18 @@ void finish_forward(const std::string& op_name, Context& ctx,
       record.saved.push_back(*r);
       continue;
     }
-    at::Tensor r = (aliases(t, input_tensors) || aliases(t, outputs)) ? t.clone() : t;
+    // A residual: a `_fwd` output, so it must not alias the op's inputs or outputs.
+    at::Tensor r =
+        (aliases_any(t, input_tensors) || aliases_any(t, outputs)) ? t.clone() : t;
     SavedRef ref{SavedKind::Residual, (int64_t)residuals.size(), 0};
     refs.emplace_back(t.unsafeGetTensorImpl(), ref);
     residuals.push_back(r);
     record.saved.push_back(ref);
   }
-  if (!ctx.non_differentiable().empty()) {
-    record.non_differentiable.assign(outputs.size(), false);
-    for (const auto& nd : ctx.non_differentiable()) {
-      for (size_t k = 0; k < outputs.size(); ++k) {
-        if (nd.defined() && nd.is_same(outputs[k])) record.non_differentiable[k] = true;
-      }
-    }
-  }
-  record.materialize_grads = ctx.materialize_grads();
-  record.state = encode_saved_data(op_name, ctx.saved_data, &record.state_ints);
+  record.non_differentiable = std::move(non_diff);
+  record.materialize_grads = outcome.materialize_grads;
+  record.state = std::move(outcome.state);
+  record.state_ints = std::move(outcome.state_ints);
   stack->emplace_back(std::move(residuals));
   set_forward_record(std::move(record));
 }
@@ -341,7 +357,7 @@ std::pair<Context, std::vector<at::Tensor>> start_backward(torch::jit::Stack* st
 }
 
 void finish_backward(const std::string& op_name, const std::vector<bool>& tensor_args,
-                     std::vector<at::Tensor> grads, const Context& ctx,
+                     std::vector<at::Tensor> grads, c10::ArrayRef<at::Tensor> saved,
                      c10::ArrayRef<at::Tensor> grad_outputs, torch::jit::Stack* stack) {
   const size_t n = tensor_args.size();
   if (grads.size() > n) {
@@ -364,7 +380,7 @@ void finish_backward(const std::string& op_name, const std::vector<bool>& tensor
     }
     TORCH_CHECK(tensor_args[i], op_name, ": backward returned a gradient for argument ", i,
                 ", which is not a Tensor. Return an undefined at::Tensor() there.");
-    if (aliases_any(g, ctx.saved_tensors()) || aliases_any(g, grad_outputs)) g = g.clone();
+    if (aliases_any(g, saved) || aliases_any(g, grad_outputs)) g = g.clone();
     out.push_back(g);
   }
   stack->emplace_back(std::move(out));

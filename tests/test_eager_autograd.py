@@ -382,3 +382,32 @@ def test_user_exceptions_propagate_unchanged():
     y = Boom.apply(-torch.ones(2, requires_grad=True))
     with pytest.raises(KeyError, match="backward says no"):
         y.sum().backward()
+
+
+@torch_opaque.op
+class PassThroughMask(torch.autograd.Function):
+    """Returns its mask input unchanged, marked non-differentiable, next to a
+    differentiable output that saves a view of the input."""
+
+    @staticmethod
+    def forward(ctx, x, mask):
+        ctx.mark_non_differentiable(mask)
+        ctx.save_for_backward(x[0])  # a view of an input: becomes a copied residual
+        return x * 2, mask
+
+    @staticmethod
+    def backward(ctx, g, g_mask):
+        (first,) = ctx.saved_tensors
+        return g * 2 + first * 0, None
+
+
+def test_non_differentiable_output_that_is_an_input_stays_non_differentiable():
+    x = torch.randn(3, requires_grad=True)
+    mask = torch.rand(3, requires_grad=True)
+    y, m = PassThroughMask.apply(x, mask)
+    assert y.requires_grad and not m.requires_grad  # as with the original Function
+    assert not torch._C._is_alias_of(m, mask)  # operator outputs never alias inputs
+    torch.testing.assert_close(m, mask.detach())
+    y.sum().backward()
+    torch.testing.assert_close(x.grad, torch.full((3,), 2.0))
+    assert mask.grad is None

@@ -1,11 +1,11 @@
-"""Python kernels that run a wrapped Function's forward and backward.
+"""The runners of a wrapped Function's forward and backward.
 
-The C++ core calls these through its Python bridge (Note [Python kernels]
-in csrc/python/python_kernel.h); the same functions, on fake tensors, are the
-ops' fake kernels. A forward kernel returns the outputs followed by the list
-of residual tensors, and reports the rest of ctx through
-``_C.set_forward_record`` (Note [Forward record] in
-include/torch_opaque/forward_record.h).
+The C++ bridge runs the real (eager) kernels itself, reading the callables
+from these objects (Note [Python kernels] in csrc/python/python_kernel.h).
+Their ``__call__`` is the same work in Python, for callers that must trace it:
+the ops' fake kernels (which report the forward record through
+``_C.set_forward_record``, Note [Forward record] in
+include/torch_opaque/forward_record.h), graph passes and ONNX.
 """
 
 from __future__ import annotations
@@ -55,16 +55,18 @@ def check_tensor_outputs(fn_name: str, outs: tuple) -> None:
 
 
 class Runner:
-    """Calls the user's forward with a ForwardContext: the real kernel of `_fwd`.
+    """Calls the user's forward with a ForwardContext.
 
-    Note [Eager fast path]
-    The C++ side runs this with grad mode off and copies returned tensors that
-    alias inputs (Note [Kernel outputs never alias inputs] in
-    csrc/python/python_kernel.cpp), so the real kernel does neither; FakeRunner,
-    which PyTorch calls directly from Python, does both itself.
+    The real kernel of `_fwd` runs in C++ (Note [Python kernels] in
+    csrc/python/python_kernel.h): it reads ``forward``, ``setup_context``,
+    ``n_out``, ``no_grad`` and ``convs`` from this object and calls
+    ``convert_args``, ``outputs`` and ``encode_ctx`` for the rare paths.
+    ``__call__`` is the same forward in Python, for callers that trace it
+    (fake kernels, graph passes, ONNX); with ``in_python`` set it also turns
+    grad mode off and copies outputs that alias inputs, as the C++ kernel does.
     """
 
-    in_python = False  # grad mode and aliasing handled by the caller (C++)
+    in_python = False
 
     def __init__(self, fn_name: str, forward: Callable, setup_context, specs, n_out: int):
         self.fn_name = fn_name
@@ -77,6 +79,21 @@ class Runner:
         self.tensor_pos = [i for i, s in enumerate(specs) if s.is_tensor]
         self.list_pos = [i for i, s in enumerate(specs) if s.type.startswith("Tensor[")]
         self.no_grad = (False,) * self.n_args
+
+    def convert_args(self, args) -> tuple:
+        """Kernel argument values -> the values forward expects (schema converters)."""
+        args = list(args)
+        for i, conv in self.convs:
+            if args[i] is not None:
+                args[i] = conv(args[i])
+        return tuple(args)
+
+    def encode_ctx(self, ctx: ForwardContext) -> tuple:
+        """(state, state ints, saved tensors) of a ctx with user attributes: tensor
+        attributes are appended to the saved tensors (Note [Context state])."""
+        saved = list(ctx._to_save)
+        state, ints = encode_state(self.fn_name, user_attributes(ctx), saved)
+        return state, ints, saved
 
     def call_user(self, ctx, args, grad_off=True):
         if not (grad_off and self.in_python):
@@ -278,10 +295,14 @@ class InferenceFake:
 
 
 class BackwardRunner:
-    """Calls the user's backward with a BackwardContext: the real kernel of `_bwd`
-    (the bridge passes list arguments as tuples)."""
+    """Calls the user's backward with a BackwardContext.
 
-    in_python = False  # aliasing handled by the caller (C++)
+    The real kernel of `_bwd` runs in C++ (Note [Python kernels]) and uses
+    ``backward``, ``tensor_flags``, ``decode_ctx`` and the error helpers;
+    ``__call__`` is its Python twin for fake kernels and graph passes.
+    """
+
+    in_python = False  # no copies of gradients that alias inputs
 
     def __init__(self, fn_name: str, backward: Callable, specs):
         self.fn_name = fn_name
@@ -309,6 +330,12 @@ class BackwardRunner:
             # Op outputs must not alias op inputs (a backward often returns grad itself).
             res = _unalias(res, [t for t in (*saved, *grads) if t is not None])
         return (res,)
+
+    @staticmethod
+    def decode_ctx(state: str, saved: tuple, state_ints) -> tuple:
+        """(explicitly saved tensors, attributes) from `_bwd`'s state arguments."""
+        n_explicit, attrs = decode_state(state, saved, state_ints)
+        return tuple(saved[:n_explicit]), attrs
 
     def _fix_count(self, res):
         if len(res) > self.n_args and all(r is None for r in res[self.n_args :]):

@@ -511,29 +511,39 @@ class _StoredOverload:
         n = self.n_out
         return res[:n], res[n : n + v.n_res], res[n + v.n_res :]
 
-    # real kernels (called by the C++ bridge, Note [Python kernels])
-    def forward_kernel(self, needs, *args):
+    # real kernels: the C++ bridge runs them like a Function's (Note [Python kernels]
+    # in csrc/python/python_kernel.h), through _StoredRunner / _StoredBackwardRunner.
+    def forward(self, ctx, *args):
         v, flat = self.select(args, fake=False)
         outs, residuals, ints = self.split(v, v.fwd(flat))
-        if needs is None:
-            return (*outs, [], None)
-        return (*outs, residuals, (list(v.saved), list(v.non_diff), True, str(v.id), list(ints)))
+        # v.saved: (kind, index, item) triples as in include/torch_opaque/forward_record.h
+        sources = {1: lambda i, j: args[i], 2: lambda i, j: args[i][j],
+                   3: lambda i, j: outs[i], 4: lambda i, j: residuals[i]}  # fmt: skip
+        spec = list(v.saved)
+        saved = [
+            sources[spec[k]](spec[k + 1], spec[k + 2]) if spec[k] else None
+            for k in range(0, len(spec), 3)
+        ]
+        ctx.save_for_backward(*saved)
+        ctx.mark_non_differentiable(*(o for o, nd in zip(outs, v.non_diff) if nd))
+        ctx.stored_state = (str(v.id), list(ints))  # read by _StoredRunner.encode_ctx
+        return tuple(outs)
 
-    def backward_kernel(self, saved, grads, needs_input_grad, state, state_ints):
-        v = self._variant_of_state(state)
-        flat = [t for t, none in zip(saved, v.saved_none) if not none]
+    def backward(self, ctx, *grads):
+        v = ctx.variant
+        flat = [t for t, none in zip(ctx.saved_tensors, v.saved_none) if not none]
         if any(g is None for g in grads):
             raise RuntimeError(
                 f"torch_opaque: {self.qual}.{self.overload} (re-created from stored programs) "
                 f"got an undefined output gradient; its stored backward needs all of them."
             )
-        out = v.bwd([*flat, *grads, *state_ints])
+        out = v.bwd([*flat, *grads, *ctx.state_ints])
         out = list(out) if isinstance(out, (tuple, list)) else [out]
         res = [None] * len(self.schema.arguments)
         for pos, g in zip(v.grads, out):
-            if needs_input_grad[pos]:
+            if ctx.needs_input_grad[pos]:
                 res[pos] = g
-        return (res,)
+        return tuple(res)
 
     def _variant_of_state(self, state: str) -> _Variant:
         try:
@@ -590,6 +600,51 @@ class _StoredOverload:
         return outs[0] if self.n_out == 1 else tuple(outs)
 
 
+class _StoredRunner:
+    """A stored overload's forward, shaped like kernels.Runner for the C++ bridge."""
+
+    setup_context = None
+    convs = ()
+
+    def __init__(self, sov: _StoredOverload):
+        self.sov = sov
+        self.fn_name = f"{sov.qual}.{sov.overload}"
+        self.forward = sov.forward
+        self.n_out = sov.n_out
+        self.no_grad = (False,) * len(sov.schema.arguments)
+
+    def outputs(self, out) -> tuple:
+        return tuple(out)
+
+    @staticmethod
+    def encode_ctx(ctx) -> tuple:
+        state, ints = ctx.stored_state
+        return state, ints, list(ctx.saved_tensors)
+
+
+class _StoredBackwardRunner:
+    """A stored overload's backward, shaped like kernels.BackwardRunner."""
+
+    def __init__(self, sov: _StoredOverload):
+        self.sov = sov
+        self.fn_name = f"{sov.qual}.{sov.overload}"
+        self.backward = sov.backward
+        self.tensor_flags = tuple(
+            isinstance(a.type, torch.TensorType)
+            or (isinstance(a.type, torch.OptionalType) and isinstance(a.type.getElementType(), torch.TensorType))
+            for a in sov.schema.arguments
+        )
+
+    def decode_ctx(self, state: str, saved: tuple, state_ints) -> tuple:
+        return saved, {"variant": self.sov._variant_of_state(state), "state_ints": state_ints}
+
+    def _fix_count(self, res):
+        raise RuntimeError(f"torch_opaque: {self.fn_name}: stored backward returned {len(res)} gradients")
+
+    def _raise_bad_gradients(self, res):
+        raise RuntimeError(f"torch_opaque: {self.fn_name}: stored backward returned a bad gradient")
+
+
 class _StoredOp:
     def __init__(self, entry: dict):
         self.entry = entry
@@ -623,8 +678,8 @@ def _define_stored(op_entry: dict, ov_entry: dict, texts: dict, description: str
         "" if overload == "default" else overload,
         ov_entry["arguments"],
         ["Tensor"] * n_out,
-        sov.forward_kernel,
-        sov.backward_kernel,
+        _StoredRunner(sov),
+        _StoredBackwardRunner(sov),
     )
     defined = str(_schema_or_none(ns, name, overload))
     if defined != ov_entry["schema"]:

@@ -53,8 +53,8 @@ PYBIND11_MODULE(_C, m) {
         def.overload = std::move(overload);
         def.arguments = std::move(arguments);
         def.returns = std::move(returns);
-        def.forward = make_python_kernel(std::move(forward), KernelRole::Forward);
-        def.backward = make_python_kernel(std::move(backward), KernelRole::Backward);
+        def.forward = make_python_forward(std::move(forward));
+        def.backward = make_python_backward(std::move(backward));
         return define_op(std::move(def));
       },
       py::arg("ns"), py::arg("name"), py::arg("overload"), py::arg("arguments"),

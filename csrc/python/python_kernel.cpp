@@ -1,13 +1,16 @@
 #include "python_kernel.h"
 
+#include <torch_opaque/detail/cpp_kernels.h>
 #include <torch_opaque/forward_record.h>
 
+#include <ATen/core/grad_mode.h>
+#include <c10/util/SmallVector.h>
 #include <torch/csrc/DynamicTypes.h>
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/jit/python/pybind_utils.h>
 
-#include <memory>
 #include <optional>
+#include <string>
 #include <vector>
 
 namespace py = pybind11;
@@ -15,37 +18,24 @@ namespace py = pybind11;
 namespace torch_opaque::python {
 namespace {
 
-// How each argument / return is converted, worked out once per schema: the
-// common cases (tensors, lists of optional tensors) skip the generic
-// IValue <-> PyObject conversion.
-enum class Kind : uint8_t { Generic, Tensor, ScalarType, TensorList, OptTensorList };
-
-struct Kinds {
-  std::vector<Kind> args, rets;
-};
-
-bool is_list_of(const c10::TypePtr& t, bool optional) {
-  if (t->kind() != c10::TypeKind::ListType) return false;
-  const auto& e = t->containedType(0);
-  if (!optional) return e->kind() == c10::TypeKind::TensorType;
-  return e->kind() == c10::TypeKind::OptionalType &&
-      e->containedType(0)->kind() == c10::TypeKind::TensorType;
-}
+// How each argument is converted, worked out once per schema: tensors and
+// dtypes skip the generic IValue -> PyObject conversion.
+enum class Kind : uint8_t { Generic, Tensor, ScalarType, TensorList };
 
 Kind kind_of(const c10::Argument& a) {
   const auto& real = a.real_type();
   if (real->kind() == c10::TypeKind::TensorType) return Kind::Tensor;
   if (real->kind() == c10::TypeKind::ScalarTypeType) return Kind::ScalarType;
-  if (is_list_of(a.type(), false)) return Kind::TensorList;
-  if (is_list_of(a.type(), true)) return Kind::OptTensorList;
+  if (real->kind() == c10::TypeKind::ListType &&
+      real->containedType(0)->kind() == c10::TypeKind::TensorType) {
+    return Kind::TensorList;
+  }
   return Kind::Generic;
 }
 
-Kinds kinds_of(const c10::FunctionSchema& schema) {
-  Kinds k;
-  for (const auto& a : schema.arguments()) k.args.push_back(kind_of(a));
-  for (const auto& r : schema.returns()) k.rets.push_back(kind_of(r));
-  return k;
+py::object steal(PyObject* o) {
+  if (!o) throw py::error_already_set();
+  return py::reinterpret_steal<py::object>(o);
 }
 
 PyObject* wrap_tensor(const at::Tensor& t) {
@@ -54,232 +44,260 @@ PyObject* wrap_tensor(const at::Tensor& t) {
   return o;
 }
 
-PyObject* to_python(const c10::IValue& v, Kind kind, bool tuples) {
-  switch (kind) {
-    case Kind::Tensor:
-      if (v.isTensor()) return wrap_tensor(v.toTensor());
-      break;
-    case Kind::ScalarType:
-      if (v.isInt()) {
-        auto* dtype = torch::getTHPDtype(static_cast<c10::ScalarType>(v.toInt()));
-        Py_INCREF(dtype);
-        return reinterpret_cast<PyObject*>(dtype);
-      }
-      break;
-    case Kind::TensorList:
-    case Kind::OptTensorList:
-      if (v.isList()) {
-        const auto& items = v.toListRef();
-        const auto n = static_cast<Py_ssize_t>(items.size());
-        PyObject* l = tuples ? PyTuple_New(n) : PyList_New(n);
-        if (!l) throw py::error_already_set();
-        for (Py_ssize_t j = 0; j < n; ++j) {
-          PyObject* o;
-          if (items[j].isTensor()) {
-            o = wrap_tensor(items[j].toTensor());
-          } else {
-            Py_INCREF(Py_None);
-            o = Py_None;
-          }
-          if (tuples) {
-            PyTuple_SET_ITEM(l, j, o);
-          } else {
-            PyList_SET_ITEM(l, j, o);
-          }
-        }
-        return l;
-      }
-      break;
-    case Kind::Generic:
-      if (v.isString() && v.toStringRef().empty()) {
-        static PyObject* empty = PyUnicode_FromString("");
-        Py_INCREF(empty);
-        return empty;
-      }
-      if (tuples && v.isList() && v.toListRef().empty()) {
-        return PyTuple_New(0);
-      }
-      if (tuples && v.isBoolList()) {
-        const auto l = v.toBoolList();
-        PyObject* t = PyTuple_New(static_cast<Py_ssize_t>(l.size()));
-        if (!t) throw py::error_already_set();
-        for (size_t j = 0; j < l.size(); ++j) {
-          PyObject* b = l.get(j) ? Py_True : Py_False;
-          Py_INCREF(b);
-          PyTuple_SET_ITEM(t, static_cast<Py_ssize_t>(j), b);
-        }
-        return t;
-      }
-      break;
+PyObject* to_python(const c10::IValue& v, Kind kind) {
+  if (kind == Kind::Tensor && v.isTensor()) return wrap_tensor(v.toTensor());
+  if (kind == Kind::ScalarType && v.isInt()) {
+    auto* dtype = torch::getTHPDtype(static_cast<c10::ScalarType>(v.toInt()));
+    Py_INCREF(dtype);
+    return reinterpret_cast<PyObject*>(dtype);
+  }
+  if (kind == Kind::TensorList && v.isTensorList()) {
+    const auto list = v.toTensorList();
+    py::list l(list.size());
+    for (size_t j = 0; j < list.size(); ++j) {
+      PyList_SET_ITEM(l.ptr(), static_cast<Py_ssize_t>(j), wrap_tensor(list.get(j)));
+    }
+    return l.release().ptr();
   }
   return torch::jit::toPyObject(v).release().ptr();
 }
 
-// The record a Python forward kernel returns: (saved, non_differentiable,
-// materialize_grads, state, state_ints).
-void report_record(PyObject* rec, const c10::FunctionSchema& schema) {
-  if (rec == Py_None) return;
-  TORCH_CHECK(PyTuple_Check(rec) && PyTuple_GET_SIZE(rec) == 5, schema.name(),
-              ": malformed forward record");
-  ForwardRecord r;
-  PyObject* saved = PyTuple_GET_ITEM(rec, 0);
-  TORCH_CHECK(PyList_Check(saved) && PyList_GET_SIZE(saved) % 3 == 0, schema.name(),
-              ": malformed saved spec");
-  const Py_ssize_t n = PyList_GET_SIZE(saved);
-  r.saved.reserve(n / 3);
-  for (Py_ssize_t i = 0; i < n; i += 3) {
-    const long long kind = PyLong_AsLongLong(PyList_GET_ITEM(saved, i));
-    TORCH_CHECK(kind >= 0 && kind <= 4, schema.name(), ": bad saved kind ", kind);
-    r.saved.push_back({static_cast<SavedKind>(kind),
-                       PyLong_AsLongLong(PyList_GET_ITEM(saved, i + 1)),
-                       PyLong_AsLongLong(PyList_GET_ITEM(saved, i + 2))});
+PyObject* bool_tuple(const std::vector<bool>& flags) {
+  PyObject* t = PyTuple_New(static_cast<Py_ssize_t>(flags.size()));
+  if (!t) throw py::error_already_set();
+  for (size_t j = 0; j < flags.size(); ++j) {
+    PyObject* b = flags[j] ? Py_True : Py_False;
+    Py_INCREF(b);
+    PyTuple_SET_ITEM(t, static_cast<Py_ssize_t>(j), b);
   }
-  PyObject* nd = PyTuple_GET_ITEM(rec, 1);
-  for (Py_ssize_t i = 0; i < PyList_GET_SIZE(nd); ++i) {
-    r.non_differentiable.push_back(PyList_GET_ITEM(nd, i) == Py_True);
-  }
-  r.materialize_grads = PyTuple_GET_ITEM(rec, 2) == Py_True;
-  PyObject* state = PyTuple_GET_ITEM(rec, 3);
-  if (PyUnicode_GET_LENGTH(state) > 0) r.state = py::cast<std::string>(state);
-  PyObject* ints = PyTuple_GET_ITEM(rec, 4);
-  if (PyList_GET_SIZE(ints) > 0) r.state_ints = py::cast<std::vector<c10::SymInt>>(ints);
-  set_forward_record(std::move(r));
+  return t;
 }
 
-// Note [Kernel outputs never alias inputs]
-// An operator's outputs may not alias its inputs or each other (functionalization
-// and torch.library.opcheck rely on it), but user code often returns `x` or `grad`
-// itself, or saves a view. The bridge copies any returned tensor that shares
-// storage with an argument tensor or an earlier returned tensor. Fake kernels
-// (Python) apply the same rule in torch_opaque/kernels.py.
-class Unaliaser {
- public:
-  void add(const c10::IValue& v) {
-    if (v.isTensor()) {
-      add(v.toTensor());
-    } else if (v.isList()) {
-      for (const c10::IValue& e : v.toListRef()) {
-        if (e.isTensor()) add(e.toTensor());
-      }
-    }
-  }
-  at::Tensor operator()(at::Tensor t) {
-    if (!t.defined() || !t.has_storage()) return t;
-    for (const auto& x : seen_) {
-      if (t.is_alias_of(x)) {
-        t = t.clone();
-        break;
-      }
-    }
-    seen_.push_back(t);
-    return t;
-  }
+// A tensor or None from Python (validated by the caller or by ctx).
+at::Tensor tensor_or_undefined(PyObject* o) {
+  return THPVariable_Check(o) ? THPVariable_Unpack(o) : at::Tensor();
+}
 
- private:
-  void add(const at::Tensor& t) {
-    if (t.defined() && t.has_storage()) seen_.push_back(t);
+std::vector<at::Tensor> tensors_of(PyObject* seq) {
+  py::object fast = steal(PySequence_Fast(seq, "expected a sequence of tensors"));
+  const Py_ssize_t n = PySequence_Fast_GET_SIZE(fast.ptr());
+  std::vector<at::Tensor> out;
+  out.reserve(n);
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    out.push_back(tensor_or_undefined(PySequence_Fast_GET_ITEM(fast.ptr(), i)));
   }
-  std::vector<at::Tensor> seen_;
+  return out;
+}
+
+py::object attr(PyObject* o, const char* name) {
+  return steal(PyObject_GetAttrString(o, name));
+}
+
+// Calls f(first, *rest) without building a tuple.
+py::object call_with_first(PyObject* f, PyObject* first, PyObject* rest_tuple) {
+  const Py_ssize_t n = PyTuple_GET_SIZE(rest_tuple);
+  c10::SmallVector<PyObject*, 9> argv(static_cast<size_t>(n) + 2);
+  // argv[0] is scratch space for PY_VECTORCALL_ARGUMENTS_OFFSET.
+  argv[1] = first;
+  for (Py_ssize_t i = 0; i < n; ++i) argv[i + 2] = PyTuple_GET_ITEM(rest_tuple, i);
+  return steal(PyObject_Vectorcall(f, argv.data() + 1,
+                                   (static_cast<size_t>(n) + 1) | PY_VECTORCALL_ARGUMENTS_OFFSET,
+                                   nullptr));
+}
+
+// What the bridge reads once from a kernels.Runner.
+struct ForwardSpec {
+  std::string name;     // the Function's name, for messages
+  py::object runner;    // slow paths: convert_args, outputs, encode_state
+  py::object forward;   // forward(ctx, *args), or forward(*args) with setup_context
+  py::object setup;     // setup_context or None
+  py::object ctx_type;  // context.ForwardContext
+  py::object fn_name;
+  py::object no_grad;   // needs_input_grad when the call is not recorded
+  size_t n_out;
+  bool has_convs;
+  std::optional<std::vector<Kind>> kinds;
 };
 
-at::Tensor unpack_tensor(PyObject* o, const c10::FunctionSchema& schema, size_t i) {
-  TORCH_CHECK(THPVariable_Check(o), schema.name(), ": the Python kernel returned a ",
-              Py_TYPE(o)->tp_name, " where return ", i, " must be a Tensor.");
-  return THPVariable_Unpack(o);
+void run_forward(ForwardSpec& s, const c10::FunctionSchema& schema, torch::jit::Stack* stack) {
+  std::optional<std::vector<bool>> needs = take_needs_input_grad();
+  const bool recording = needs.has_value();
+  py::gil_scoped_acquire gil;
+  // `_fwd`'s schema, whose last argument (needs_input_grad) is already popped.
+  const size_t n = schema.arguments().size() - 1;
+  if (!s.kinds) {
+    s.kinds.emplace();
+    for (size_t i = 0; i < n; ++i) s.kinds->push_back(kind_of(schema.arguments()[i]));
+  }
+  c10::SmallVector<c10::IValue, 8> inputs(stack->end() - n, stack->end());
+  torch::jit::drop(*stack, n);
+  py::object args = steal(PyTuple_New(static_cast<Py_ssize_t>(n)));
+  for (size_t i = 0; i < n; ++i) {
+    PyTuple_SET_ITEM(args.ptr(), static_cast<Py_ssize_t>(i), to_python(inputs[i], (*s.kinds)[i]));
+  }
+  if (s.has_convs) args = s.runner.attr("convert_args")(args);
+  py::object needs_py = recording ? steal(bool_tuple(*needs)) : s.no_grad;
+  py::object ctx = steal(PyObject_CallFunctionObjArgs(s.ctx_type.ptr(), s.fn_name.ptr(),
+                                                      needs_py.ptr(), nullptr));
+  py::object out;
+  if (s.setup.is_none()) {
+    out = call_with_first(s.forward.ptr(), ctx.ptr(), args.ptr());
+  } else {
+    out = steal(PyObject_Call(s.forward.ptr(), args.ptr(), nullptr));
+    steal(PyObject_CallFunctionObjArgs(s.setup.ptr(), ctx.ptr(), args.ptr(), out.ptr(), nullptr));
+  }
+
+  detail::ForwardOutcome outcome;
+  auto& outputs = outcome.outputs;
+  if (s.n_out == 1 && THPVariable_Check(out.ptr())) {
+    outputs.push_back(THPVariable_Unpack(out.ptr()));
+  } else {
+    bool plain = PyTuple_CheckExact(out.ptr()) &&
+        PyTuple_GET_SIZE(out.ptr()) == static_cast<Py_ssize_t>(s.n_out);
+    for (size_t k = 0; plain && k < s.n_out; ++k) {
+      plain = THPVariable_Check(PyTuple_GET_ITEM(out.ptr(), k));
+    }
+    // Anything unusual gets the Python check, which raises the right error.
+    if (!plain) out = s.runner.attr("outputs")(out);
+    outputs = tensors_of(out.ptr());
+  }
+
+  if (recording) {
+    py::object dict = steal(PyObject_GenericGetDict(ctx.ptr(), nullptr));
+    if (PyDict_GET_SIZE(dict.ptr()) > 0) {
+      // User attributes: (state, state ints, saved tensors incl. attribute tensors).
+      py::tuple enc = s.runner.attr("encode_ctx")(ctx);
+      outcome.state = enc[0].cast<std::string>();
+      outcome.state_ints = enc[1].cast<std::vector<c10::SymInt>>();
+      outcome.saved = tensors_of(enc[2].ptr());
+    } else {
+      outcome.saved = tensors_of(attr(ctx.ptr(), "_to_save").ptr());
+    }
+    outcome.non_differentiable = tensors_of(attr(ctx.ptr(), "_non_diff").ptr());
+    outcome.materialize_grads = attr(ctx.ptr(), "_materialize").ptr() == Py_True;
+  }
+  detail::finish_forward(s.name, c10::ArrayRef<c10::IValue>(inputs.data(), inputs.size()),
+                         std::move(outcome), recording, stack);
 }
 
-void push_return(PyObject* item, Kind kind, const c10::FunctionSchema& schema, size_t i,
-                 Unaliaser& unalias, torch::jit::Stack* stack) {
-  if (kind == Kind::Tensor) {
-    stack->emplace_back(unalias(unpack_tensor(item, schema, i)));
-    return;
-  }
-  if ((kind == Kind::TensorList || kind == Kind::OptTensorList) &&
-      (PyList_Check(item) || PyTuple_Check(item))) {
-    const Py_ssize_t m = PySequence_Fast_GET_SIZE(item);
-    if (kind == Kind::TensorList) {
-      c10::List<at::Tensor> l;
-      l.reserve(m);
-      for (Py_ssize_t j = 0; j < m; ++j) {
-        l.push_back(unalias(unpack_tensor(PySequence_Fast_GET_ITEM(item, j), schema, i)));
+// What the bridge reads once from a kernels.BackwardRunner.
+struct BackwardSpec {
+  std::string name;
+  py::object runner;    // slow paths: decode_state, fix_count, raise_bad_gradients
+  py::object backward;  // backward(ctx, *grads)
+  py::object ctx_type;  // context.BackwardContext
+  py::object fn_name;
+  std::vector<bool> tensor_args;
+};
+
+PyObject* optional_tensors_tuple(const std::vector<at::Tensor>& ts) {
+  PyObject* t = PyTuple_New(static_cast<Py_ssize_t>(ts.size()));
+  if (!t) throw py::error_already_set();
+  for (size_t i = 0; i < ts.size(); ++i) {
+    PyObject* o;
+    if (ts[i].defined()) {
+      o = THPVariable_Wrap(ts[i]);
+      if (!o) {
+        Py_DECREF(t);
+        throw py::error_already_set();
       }
-      stack->emplace_back(std::move(l));
     } else {
-      c10::List<std::optional<at::Tensor>> l;
-      l.reserve(m);
-      for (Py_ssize_t j = 0; j < m; ++j) {
-        PyObject* e = PySequence_Fast_GET_ITEM(item, j);
-        if (e == Py_None) {
-          l.push_back(std::nullopt);
-        } else {
-          l.push_back(unalias(unpack_tensor(e, schema, i)));
-        }
-      }
-      stack->emplace_back(std::move(l));
+      Py_INCREF(Py_None);
+      o = Py_None;
     }
-    return;
+    PyTuple_SET_ITEM(t, static_cast<Py_ssize_t>(i), o);
   }
-  stack->push_back(torch::jit::toIValue(py::handle(item), schema.returns()[i].type()));
+  return t;
+}
+
+std::vector<at::Tensor> optional_tensors(const c10::IValue& v) {
+  const auto list = v.toOptionalTensorList();
+  std::vector<at::Tensor> out;
+  out.reserve(list.size());
+  for (const auto& t : list) {
+    std::optional<at::Tensor> o = t;
+    out.push_back(o.has_value() ? std::move(*o) : at::Tensor());
+  }
+  return out;
+}
+
+void run_backward(const BackwardSpec& s, torch::jit::Stack* stack) {
+  // `_bwd(Tensor?[] saved, Tensor?[] grads, bool[] needs_input_grad, str state,
+  // SymInt[] state_ints)`
+  auto in = torch::jit::last(*stack, 5);
+  std::vector<at::Tensor> saved = optional_tensors(in[0]);
+  std::vector<at::Tensor> grads = optional_tensors(in[1]);
+  auto needs_list = in[2].toBoolList();
+  std::vector<bool> needs(needs_list.begin(), needs_list.end());
+  std::string state = in[3].toStringRef();
+  std::vector<c10::SymInt> state_ints = in[4].toSymIntVector();
+  torch::jit::drop(*stack, 5);
+
+  py::gil_scoped_acquire gil;
+  py::object saved_py = steal(optional_tensors_tuple(saved));
+  py::object grads_py = steal(optional_tensors_tuple(grads));
+  py::object attrs = py::none();
+  if (!state.empty()) {
+    py::tuple dec = s.runner.attr("decode_ctx")(state, saved_py, state_ints);
+    saved_py = dec[0];
+    attrs = dec[1];
+  }
+  py::object needs_py = steal(bool_tuple(needs));
+  py::object ctx = steal(PyObject_CallFunctionObjArgs(
+      s.ctx_type.ptr(), s.fn_name.ptr(), saved_py.ptr(), needs_py.ptr(), attrs.ptr(), nullptr));
+  py::object res = call_with_first(s.backward.ptr(), ctx.ptr(), grads_py.ptr());
+  if (!PyTuple_Check(res.ptr())) res = steal(PyTuple_Pack(1, res.ptr()));
+  const size_t n = s.tensor_args.size();
+  if (PyTuple_GET_SIZE(res.ptr()) != static_cast<Py_ssize_t>(n)) {
+    res = s.runner.attr("_fix_count")(res);
+  }
+  std::vector<at::Tensor> result;
+  result.reserve(n);
+  for (size_t i = 0; i < n; ++i) {
+    PyObject* g = PyTuple_GET_ITEM(res.ptr(), i);
+    if (g == Py_None) {
+      result.emplace_back();
+    } else if (s.tensor_args[i] && THPVariable_Check(g)) {
+      result.push_back(THPVariable_Unpack(g));
+    } else {
+      s.runner.attr("_raise_bad_gradients")(res);  // raises
+      TORCH_INTERNAL_ASSERT(false, s.name, ": bad gradient ", i, " was not reported");
+    }
+  }
+  detail::finish_backward(s.name, s.tensor_args, std::move(result), saved, grads, stack);
 }
 
 } // namespace
 
-BoxedKernel make_python_kernel(py::object fn, KernelRole role) {
-  // Kernels live for the rest of the process (see all_ops()), so the callable
-  // is deliberately never released: releasing it at exit would need the GIL
-  // after the interpreter is gone.
-  auto* holder = new py::object(std::move(fn));
-  auto kinds = std::make_shared<std::optional<Kinds>>();
-  const bool forward = role == KernelRole::Forward;
-  const bool tuples = role == KernelRole::Backward;
-  return [holder, kinds, forward, tuples](const c10::FunctionSchema& schema,
-                                          torch::jit::Stack* stack) {
-    std::optional<std::vector<bool>> needs;
-    if (forward) needs = take_needs_input_grad();
-    py::gil_scoped_acquire gil;
-    if (!kinds->has_value()) *kinds = kinds_of(schema);
-    const Kinds& k = **kinds;
-    // A forward kernel gets `_fwd`'s schema without its last argument
-    // (needs_input_grad, passed as the callable's first argument instead).
-    const size_t n = k.args.size() - (forward ? 1 : 0);
-    const size_t first = forward ? 1 : 0;
-    py::tuple py_args(n + first);
-    if (forward) {
-      PyObject* nig = Py_None;
-      if (needs) {
-        nig = PyTuple_New(static_cast<Py_ssize_t>(needs->size()));
-        if (!nig) throw py::error_already_set();
-        for (size_t j = 0; j < needs->size(); ++j) {
-          PyObject* b = (*needs)[j] ? Py_True : Py_False;
-          Py_INCREF(b);
-          PyTuple_SET_ITEM(nig, static_cast<Py_ssize_t>(j), b);
-        }
-      } else {
-        Py_INCREF(Py_None);
-      }
-      PyTuple_SET_ITEM(py_args.ptr(), 0, nig);
-    }
-    Unaliaser unalias;
-    auto values = torch::jit::last(*stack, n);
-    for (size_t i = 0; i < n; ++i) {
-      unalias.add(values[i]);
-      PyTuple_SET_ITEM(py_args.ptr(), static_cast<Py_ssize_t>(i + first),
-                       to_python(values[i], k.args[i], tuples));
-    }
-    torch::jit::drop(*stack, n);
-    PyObject* res = PyObject_Call(holder->ptr(), py_args.ptr(), nullptr);
-    if (!res) throw py::error_already_set();
-    py::object result = py::reinterpret_steal<py::object>(res);
-    const size_t expected = k.rets.size() + (forward ? 1 : 0);
-    TORCH_CHECK(PyTuple_Check(res) &&
-                    PyTuple_GET_SIZE(res) == static_cast<Py_ssize_t>(expected),
-                schema.name(), ": the Python kernel must return a tuple of ", expected,
-                " values.");
-    for (size_t i = 0; i < k.rets.size(); ++i) {
-      push_return(PyTuple_GET_ITEM(res, i), k.rets[i], schema, i, unalias, stack);
-    }
-    if (forward) report_record(PyTuple_GET_ITEM(res, k.rets.size()), schema);
+// Kernels live for the rest of the process (see all_ops()), so the specs and
+// their Python objects are deliberately never released: releasing them at
+// exit would need the GIL after the interpreter is gone.
+
+BoxedKernel make_python_forward(py::object runner) {
+  auto* s = new ForwardSpec();
+  s->name = runner.attr("fn_name").cast<std::string>();
+  s->fn_name = runner.attr("fn_name");
+  s->runner = runner;
+  s->forward = runner.attr("forward");
+  s->setup = runner.attr("setup_context");
+  s->ctx_type = py::module_::import("torch_opaque.context").attr("ForwardContext");
+  s->no_grad = runner.attr("no_grad");
+  s->n_out = runner.attr("n_out").cast<size_t>();
+  s->has_convs = py::len(runner.attr("convs")) > 0;
+  return [s](const c10::FunctionSchema& schema, torch::jit::Stack* stack) {
+    run_forward(*s, schema, stack);
   };
+}
+
+BoxedKernel make_python_backward(py::object runner) {
+  auto* s = new BackwardSpec();
+  s->name = runner.attr("fn_name").cast<std::string>();
+  s->fn_name = runner.attr("fn_name");
+  s->runner = runner;
+  s->backward = runner.attr("backward");
+  s->ctx_type = py::module_::import("torch_opaque.context").attr("BackwardContext");
+  for (py::handle f : runner.attr("tensor_flags")) s->tensor_args.push_back(f.cast<bool>());
+  return [s](const c10::FunctionSchema&, torch::jit::Stack* stack) { run_backward(*s, stack); };
 }
 
 } // namespace torch_opaque::python

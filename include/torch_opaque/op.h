@@ -107,7 +107,8 @@ BoxedKernel backward_kernel(std::string op_name, std::vector<bool> tensor_args) 
     auto [ctx, grads] = start_backward(stack);
     c10::SmallVector<at::Tensor, 4> grad_outputs(grads.begin(), grads.end());
     std::vector<at::Tensor> result = Op::backward(ctx, std::move(grads));
-    finish_backward(op_name, tensor_args, std::move(result), ctx, grad_outputs, stack);
+    finish_backward(op_name, tensor_args, std::move(result), ctx.saved_tensors(), grad_outputs,
+                    stack);
   };
 }
 

@@ -14,9 +14,27 @@
 
 namespace torch_opaque::detail {
 
-// After the user's forward: pushes the outputs (copies of those that alias an
-// input or another output) and the residual list; when `needs` is set,
-// reports the forward record built from `ctx`.
+// What a forward produced, in whatever language it ran: its outputs and,
+// when the call is recorded, what its ctx holds.
+struct ForwardOutcome {
+  std::vector<at::Tensor> outputs;
+  std::vector<at::Tensor> saved;  // save_for_backward order; undefined = None
+  std::vector<at::Tensor> non_differentiable;
+  bool materialize_grads = true;
+  std::string state;  // Note [saved_data encoding], or Python's (context.py)
+  std::vector<c10::SymInt> state_ints;
+};
+
+// Note [One forward finisher]
+// After the user's forward, for C++ ops and Python Functions alike: pushes
+// the outputs (copies of those that alias an input or another output) and the
+// residual list; when `recording`, matches each saved tensor to an input, an
+// output or a new residual (copied when it aliases either) and reports the
+// forward record. `inputs` are the `_fwd` arguments without needs_input_grad.
+void finish_forward(const std::string& op_name, c10::ArrayRef<c10::IValue> inputs,
+                    ForwardOutcome outcome, bool recording, torch::jit::Stack* stack);
+
+// The same for a C++ Context (saved_data encoded per Note [saved_data encoding]).
 void finish_forward(const std::string& op_name, Context& ctx,
                     c10::ArrayRef<c10::IValue> inputs,
                     std::vector<at::Tensor> outputs, bool recording,
@@ -27,9 +45,10 @@ void finish_forward(const std::string& op_name, Context& ctx,
 std::pair<Context, std::vector<at::Tensor>> start_backward(torch::jit::Stack* stack);
 
 // Pushes the gradients as the `_bwd` result after checking them against the
-// forward arguments (`tensor_args[i]`: whether argument i is a tensor).
+// forward arguments (`tensor_args[i]`: whether argument i is a tensor);
+// gradients that alias a saved tensor or an output gradient are copied.
 void finish_backward(const std::string& op_name, const std::vector<bool>& tensor_args,
-                     std::vector<at::Tensor> grads, const Context& ctx,
+                     std::vector<at::Tensor> grads, c10::ArrayRef<at::Tensor> saved,
                      c10::ArrayRef<at::Tensor> grad_outputs, torch::jit::Stack* stack);
 
 // Note [saved_data encoding]
