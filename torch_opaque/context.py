@@ -23,74 +23,18 @@ from typing import Any
 
 import torch
 
+from . import _C
 from .errors import UnsupportedError
 
-class ForwardContext:
-    """``ctx`` inside a wrapped forward (or setup_context).
-
-    Internal fields live in slots, so ``ctx.__dict__`` holds exactly the user's
-    attributes (empty in the common case, which the kernels check cheaply).
-    """
-
-    __slots__ = ("_fn_name", "needs_input_grad", "_to_save", "_non_diff", "_materialize", "__dict__")
-
-    def __init__(self, fn_name: str, needs_input_grad: tuple):
-        self._fn_name = fn_name
-        self.needs_input_grad = needs_input_grad
-        self._to_save = ()
-        self._non_diff = ()
-        self._materialize = True
-
-    def save_for_backward(self, *tensors):
-        for i, t in enumerate(tensors):
-            if t is not None and not isinstance(t, torch.Tensor):
-                raise UnsupportedError(
-                    f"{self._fn_name}: save_for_backward can only save tensors or None, "
-                    f"but argument {i} is a {type(t).__name__}. Store other values as "
-                    f"ctx attributes (ctx.name = value)."
-                )
-        self._to_save = tensors
-
-    def save_for_forward(self, *tensors):
-        # Only jvp reads these; opaque ops carry reverse-mode AD only, and
-        # forward-mode AD through them fails with a clear error (Autograd kernel).
-        pass
-
-    def mark_non_differentiable(self, *tensors):
-        self._non_diff = self._non_diff + tensors
-
-    def set_materialize_grads(self, value: bool):
-        self._materialize = bool(value)
-
-    def mark_dirty(self, *tensors):
-        raise UnsupportedError(
-            f"{self._fn_name}: ctx.mark_dirty() (an in-place Function) is not supported by "
-            f"torch_opaque: an operator that mutates its input needs a mutable schema. "
-            f"Return a new tensor instead of modifying the input, or keep this Function "
-            f"unwrapped."
-        )
-
-    @property
-    def saved_tensors(self):
-        return tuple(self._to_save)
-
-
-class BackwardContext:
-    """``ctx`` inside a wrapped backward: saved tensors, needs_input_grad and the
-    attributes the forward set."""
-
-    __slots__ = ("_fn_name", "saved_tensors", "needs_input_grad", "__dict__")
-
-    def __init__(self, fn_name, saved_tensors, needs_input_grad, attrs):
-        if attrs:
-            self.__dict__.update(attrs)
-        self._fn_name = fn_name
-        self.saved_tensors = saved_tensors
-        self.needs_input_grad = needs_input_grad
-
-    @property
-    def saved_variables(self):
-        return self.saved_tensors
+# Note [ctx types] (csrc/python/context_types.h): both are C types, like
+# autograd.Function's own ctx. ForwardContext(fn_name, needs_input_grad) has
+# save_for_backward, mark_non_differentiable, set_materialize_grads,
+# save_for_backward / saved_tensors, and refuses mark_dirty;
+# BackwardContext(fn_name, saved_tensors, needs_input_grad, attrs) has
+# saved_tensors (saved_variables), needs_input_grad and the forward's attributes.
+# Their __dict__ holds exactly the user's attributes.
+ForwardContext = _C.ForwardContext
+BackwardContext = _C.BackwardContext
 
 
 def user_attributes(ctx: ForwardContext) -> dict:

@@ -1,4 +1,5 @@
 // torch_opaque._C: the Python face of the C++ core.
+#include "context_types.h"
 #include "direct_apply.h"
 #include "python_kernel.h"
 
@@ -38,7 +39,9 @@ PYBIND11_MODULE(_C, m) {
   using namespace torch_opaque;
   using namespace torch_opaque::python;
   m.doc() = "torch_opaque C++ core";
-  if (!add_direct_apply_type(m.ptr())) throw py::error_already_set();
+  if (!add_direct_apply_type(m.ptr()) || !add_context_types(m.ptr())) {
+    throw py::error_already_set();
+  }
   py::class_<OpaqueOp, std::shared_ptr<OpaqueOp>>(m, "OpaqueOp")
       .def_property_readonly("qualified_name", &OpaqueOp::qualified_name)
       .def_property_readonly("num_arguments", &OpaqueOp::num_arguments)

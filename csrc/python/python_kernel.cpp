@@ -1,5 +1,7 @@
 #include "python_kernel.h"
 
+#include "context_types.h"
+
 #include <torch_opaque/detail/cpp_kernels.h>
 #include <torch_opaque/forward_record.h>
 
@@ -111,7 +113,6 @@ struct ForwardSpec {
   py::object runner;    // slow paths: convert_args, outputs, encode_state
   py::object forward;   // forward(ctx, *args), or forward(*args) with setup_context
   py::object setup;     // setup_context or None
-  py::object ctx_type;  // context.ForwardContext
   py::object fn_name;
   py::object no_grad;   // needs_input_grad when the call is not recorded
   size_t n_out;
@@ -137,8 +138,7 @@ void run_forward(ForwardSpec& s, const c10::FunctionSchema& schema, torch::jit::
   }
   if (s.has_convs) args = s.runner.attr("convert_args")(args);
   py::object needs_py = recording ? steal(bool_tuple(*needs)) : s.no_grad;
-  py::object ctx = steal(PyObject_CallFunctionObjArgs(s.ctx_type.ptr(), s.fn_name.ptr(),
-                                                      needs_py.ptr(), nullptr));
+  py::object ctx = steal(new_forward_context(s.fn_name.ptr(), needs_py.ptr()));
   py::object out;
   if (s.setup.is_none()) {
     out = call_with_first(s.forward.ptr(), ctx.ptr(), args.ptr());
@@ -163,18 +163,18 @@ void run_forward(ForwardSpec& s, const c10::FunctionSchema& schema, torch::jit::
   }
 
   if (recording) {
-    py::object dict = steal(PyObject_GenericGetDict(ctx.ptr(), nullptr));
-    if (PyDict_GET_SIZE(dict.ptr()) > 0) {
+    const ForwardContextView view = view_forward_context(ctx.ptr());
+    if (view.has_attributes) {
       // User attributes: (state, state ints, saved tensors incl. attribute tensors).
       py::tuple enc = s.runner.attr("encode_ctx")(ctx);
       outcome.state = enc[0].cast<std::string>();
       outcome.state_ints = enc[1].cast<std::vector<c10::SymInt>>();
       outcome.saved = tensors_of(enc[2].ptr());
     } else {
-      outcome.saved = tensors_of(attr(ctx.ptr(), "_to_save").ptr());
+      outcome.saved = tensors_of(view.to_save);
     }
-    outcome.non_differentiable = tensors_of(attr(ctx.ptr(), "_non_diff").ptr());
-    outcome.materialize_grads = attr(ctx.ptr(), "_materialize").ptr() == Py_True;
+    outcome.non_differentiable = tensors_of(view.non_diff);
+    outcome.materialize_grads = view.materialize_grads;
   }
   detail::finish_forward(s.name, c10::ArrayRef<c10::IValue>(inputs.data(), inputs.size()),
                          std::move(outcome), recording, stack);
@@ -185,7 +185,6 @@ struct BackwardSpec {
   std::string name;
   py::object runner;    // slow paths: decode_state, fix_count, raise_bad_gradients
   py::object backward;  // backward(ctx, *grads)
-  py::object ctx_type;  // context.BackwardContext
   py::object fn_name;
   std::vector<bool> tensor_args;
 };
@@ -243,8 +242,8 @@ void run_backward(const BackwardSpec& s, torch::jit::Stack* stack) {
     attrs = dec[1];
   }
   py::object needs_py = steal(bool_tuple(needs));
-  py::object ctx = steal(PyObject_CallFunctionObjArgs(
-      s.ctx_type.ptr(), s.fn_name.ptr(), saved_py.ptr(), needs_py.ptr(), attrs.ptr(), nullptr));
+  py::object ctx = steal(
+      new_backward_context(s.fn_name.ptr(), saved_py.ptr(), needs_py.ptr(), attrs.ptr()));
   py::object res = call_with_first(s.backward.ptr(), ctx.ptr(), grads_py.ptr());
   if (!PyTuple_Check(res.ptr())) res = steal(PyTuple_Pack(1, res.ptr()));
   const size_t n = s.tensor_args.size();
@@ -280,7 +279,6 @@ BoxedKernel make_python_forward(py::object runner) {
   s->runner = runner;
   s->forward = runner.attr("forward");
   s->setup = runner.attr("setup_context");
-  s->ctx_type = py::module_::import("torch_opaque.context").attr("ForwardContext");
   s->no_grad = runner.attr("no_grad");
   s->n_out = runner.attr("n_out").cast<size_t>();
   s->has_convs = py::len(runner.attr("convs")) > 0;
@@ -295,7 +293,6 @@ BoxedKernel make_python_backward(py::object runner) {
   s->fn_name = runner.attr("fn_name");
   s->runner = runner;
   s->backward = runner.attr("backward");
-  s->ctx_type = py::module_::import("torch_opaque.context").attr("BackwardContext");
   for (py::handle f : runner.attr("tensor_flags")) s->tensor_args.push_back(f.cast<bool>());
   return [s](const c10::FunctionSchema&, torch::jit::Stack* stack) { run_backward(*s, stack); };
 }
