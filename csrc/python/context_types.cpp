@@ -1,5 +1,7 @@
 #include "context_types.h"
 
+#include "module_types.h"
+
 #include <structmember.h>
 #include <torch/csrc/autograd/python_variable.h>
 
@@ -269,16 +271,6 @@ PyGetSetDef backward_getset[] = {
     {"__dict__", PyObject_GenericGetDict, PyObject_GenericSetDict, nullptr, nullptr},
     {nullptr, nullptr, nullptr, nullptr, nullptr}};
 
-bool ready(PyObject* m, PyTypeObject& t, const char* short_name) {
-  if (PyType_Ready(&t) < 0) return false;
-  Py_INCREF(&t);
-  if (PyModule_AddObject(m, short_name, reinterpret_cast<PyObject*>(&t)) < 0) {
-    Py_DECREF(&t);
-    return false;
-  }
-  return true;
-}
-
 } // namespace
 
 bool add_context_types(PyObject* m) {
@@ -314,7 +306,7 @@ bool add_context_types(PyObject* m) {
   b.tp_members = backward_members;
   b.tp_getset = backward_getset;
   b.tp_dictoffset = offsetof(BackwardContext, dict);
-  return ready(m, f, "ForwardContext") && ready(m, b, "BackwardContext");
+  return add_type(m, &f, "ForwardContext") && add_type(m, &b, "BackwardContext");
 }
 
 PyObject* new_forward_context(PyObject* fn_name, PyObject* needs_input_grad) {

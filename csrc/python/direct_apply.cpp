@@ -1,5 +1,7 @@
 #include "direct_apply.h"
 
+#include "module_types.h"
+
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/stack.h>
 #include <torch/csrc/Exceptions.h>
@@ -16,8 +18,7 @@ namespace {
 
 // One registered argument-type signature and the overload it calls.
 struct Entry {
-  std::vector<PyTypeObject*> types;  // strong references (types are immortal enough,
-                                     // but we hold them anyway)
+  std::vector<PyTypeObject*> types;  // exact argument types (strong references)
   c10::OperatorHandle op;
   std::vector<bool> tensor_arg;      // schema argument i is a Tensor / Tensor?
   bool wrap_single = false;          // return a 1-tuple for a single output
@@ -225,13 +226,7 @@ bool add_direct_apply_type(PyObject* m) {
   DirectApplyType.tp_methods = direct_apply_methods;
   DirectApplyType.tp_call = PyVectorcall_Call;
   DirectApplyType.tp_vectorcall_offset = offsetof(DirectApply, vectorcall);
-  if (PyType_Ready(&DirectApplyType) < 0) return false;
-  Py_INCREF(&DirectApplyType);
-  if (PyModule_AddObject(m, "DirectApply", reinterpret_cast<PyObject*>(&DirectApplyType)) < 0) {
-    Py_DECREF(&DirectApplyType);
-    return false;
-  }
-  return true;
+  return add_type(m, &DirectApplyType, "DirectApply");
 }
 
 } // namespace torch_opaque::python
