@@ -257,7 +257,6 @@ class OpaqueFunction:
                 out = runner.call_user(
                     ForwardContext(self.display_name, (False,) * len(values)),
                     [fake(v) for v in values],
-                    grad_off=False,
                 )
             except FakeForwardError:
                 if tracing:

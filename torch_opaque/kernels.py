@@ -11,18 +11,15 @@ include/torch_opaque/forward_record.h), graph passes and ONNX.
 from __future__ import annotations
 
 import inspect
-from typing import Any, Callable, Sequence
+from typing import Callable
 
 import torch
 
 from . import _C
-from .context import BackwardContext, ForwardContext, decode_state, encode_state
-from .context import user_attributes
+from .context import ForwardContext, decode_state, encode_state, user_attributes
 from .errors import FakeForwardError, SchemaError, UnsupportedError
 
 _is_alias_of = torch._C._is_alias_of
-
-
 
 
 def fake_forward_error(fn_name: str, err: BaseException) -> FakeForwardError:
@@ -61,12 +58,9 @@ class Runner:
     csrc/python/python_kernel.h): it reads ``forward``, ``setup_context``,
     ``n_out``, ``no_grad`` and ``convs`` from this object and calls
     ``convert_args``, ``outputs`` and ``encode_ctx`` for the rare paths.
-    ``__call__`` is the same forward in Python, for callers that trace it
-    (fake kernels, graph passes, ONNX); with ``in_python`` set it also turns
-    grad mode off and copies outputs that alias inputs, as the C++ kernel does.
+    ``run`` (and ``__call__``) give Python callers that trace the forward
+    (fake kernels, graph passes, stored programs, ONNX) the same C++ run.
     """
-
-    in_python = False
 
     def __init__(self, fn_name: str, forward: Callable, setup_context, specs, n_out: int):
         self.fn_name = fn_name
@@ -76,8 +70,6 @@ class Runner:
         self.n_args = len(specs)
         self.n_out = n_out
         self.convs = [(i, s.convert) for i, s in enumerate(specs) if s.convert]
-        self.tensor_pos = [i for i, s in enumerate(specs) if s.is_tensor]
-        self.list_pos = [i for i, s in enumerate(specs) if s.type.startswith("Tensor[")]
         self.no_grad = (False,) * self.n_args
 
     def convert_args(self, args) -> tuple:
@@ -95,22 +87,25 @@ class Runner:
         state, ints = encode_state(self.fn_name, user_attributes(ctx), saved)
         return state, ints, saved
 
-    def call_user(self, ctx, args, grad_off=True):
-        if not (grad_off and self.in_python):
-            return self._call(ctx, args)
-        prev = torch.is_grad_enabled()
-        torch._C._set_grad_enabled(False)
-        try:
-            return self._call(ctx, args)
-        finally:
-            torch._C._set_grad_enabled(prev)
-
-    def _call(self, ctx, args):
+    def call_user(self, ctx, args):
+        """The user's forward alone (no checks, no record), for learning the outputs."""
         if self.setup_context is None:
             return self.forward(ctx, *args)
         out = self.forward(*args)
         self.setup_context(ctx, tuple(args), out)
         return out
+
+    def run(self, needs, args, forward=None, setup_context=None) -> tuple:
+        """(outputs, residuals, record): the forward run by the C++ bridge as the
+        real kernel runs it (grad mode left as it is). `needs` None: not recorded,
+        record None; otherwise record holds the arguments of _C.set_forward_record."""
+        return _C.run_forward(
+            self,
+            forward or self.forward,
+            setup_context or self.setup_context,
+            needs,
+            tuple(args),
+        )
 
     def outputs(self, out) -> tuple:
         if self.n_out == 1 and type(out) is torch.Tensor:
@@ -127,21 +122,8 @@ class Runner:
         return outs
 
     def __call__(self, needs, *args):
-        """The real kernel, called by the C++ bridge (Note [Python kernels]):
-        returns the outputs, the residuals and the record (None when `needs` is
-        None, i.e. nothing is recorded for autograd)."""
-        if self.convs:
-            args = list(args)
-            for i, conv in self.convs:
-                if args[i] is not None:
-                    args[i] = conv(args[i])
-        ctx = ForwardContext(self.fn_name, needs if needs is not None else self.no_grad)
-        outs = self.outputs(self.call_user(ctx, args))
-        if self.in_python:
-            outs = _unalias(outs, list(args_tensors(args, self)))
-        if needs is None:
-            return (*outs, [], None)
-        residuals, record = self.record(ctx, args, outs)
+        """(*outputs, residuals, record); see ``run``."""
+        outs, residuals, record = self.run(needs, args)
         return (*outs, residuals, record)
 
     def complete(self, args, kwargs) -> list:
@@ -156,74 +138,6 @@ class Runner:
             else:
                 raise TypeError(f"{self.fn_name}: missing argument '{spec.name}'")
         return args
-
-    def record(self, ctx: ForwardContext, args: Sequence[Any], outs: tuple) -> tuple:
-        """(residual tensors, forward record as the arguments of
-        _C.set_forward_record)."""
-        non_diff = [any(o is t for t in ctx._non_diff) for o in outs] if ctx._non_diff else []
-        if not ctx.__dict__ and not self.list_pos:
-            spec = self._simple_spec(ctx._to_save, args, outs)
-            if spec is not None:
-                return [], (spec, non_diff, ctx._materialize, "", [])
-        refs = {}
-        for i in self.tensor_pos:
-            t = args[i]
-            if t is not None:
-                refs.setdefault(id(t), (1, i, 0))
-        for i in self.list_pos:
-            for j, t in enumerate(args[i]):
-                refs.setdefault(id(t), (2, i, j))
-        for k, o in enumerate(outs):
-            refs[id(o)] = (3, k, 0)
-        saved = list(ctx._to_save)
-        attrs = user_attributes(ctx)
-        state, ints = encode_state(self.fn_name, attrs, saved) if attrs else ("", [])
-        spec: list = []
-        residuals: list = []
-        for t in saved:
-            if t is None:
-                spec += (0, 0, 0)
-                continue
-            ref = refs.get(id(t))
-            if ref is None:
-                if self.in_python and any(
-                    _is_alias_of(t, x) for x in (*args_tensors(args, self), *outs)
-                ):
-                    t = t.clone()
-                ref = (4, len(residuals), 0)
-                refs[id(t)] = ref
-                residuals.append(t)
-            spec += ref
-        return residuals, (spec, non_diff, ctx._materialize, state, ints)
-
-    def _simple_spec(self, to_save, args, outs):
-        """The saved spec when every saved tensor is an input or an output (or
-        None); None otherwise."""
-        spec: list = []
-        for t in to_save:
-            if t is None:
-                spec += (0, 0, 0)
-                continue
-            for k, o in enumerate(outs):
-                if o is t:
-                    spec += (3, k, 0)
-                    break
-            else:
-                for i in self.tensor_pos:
-                    if args[i] is t:
-                        spec += (1, i, 0)
-                        break
-                else:
-                    return None
-        return spec
-
-
-def args_tensors(args, runner: Runner):
-    for i in runner.tensor_pos:
-        if args[i] is not None:
-            yield args[i]
-    for i in runner.list_pos:
-        yield from args[i]
 
 
 def _unalias(outs: tuple, inputs: list) -> tuple:
@@ -246,10 +160,16 @@ class FakeRunner(Runner):
 
     PyTorch calls it from Python as the fake kernel of `_fwd` (with the
     arguments as the caller passed them), so it reads needs_input_grad from
-    its arguments and reports the record to the C++ core itself.
+    its arguments, turns grad mode off as the Autograd kernel does, and reports
+    the record to the C++ core itself. Errors of a forward that cannot run on
+    fake tensors become a FakeForwardError that says to add ``fake``.
     """
 
-    in_python = True
+    def __init__(self, *a, has_user_fake: bool, **k):
+        super().__init__(*a, **k)
+        self.has_user_fake = has_user_fake
+        self.guarded_forward = self._guard(self.forward)
+        self.guarded_setup = self._guard(self.setup_context) if self.setup_context else None
 
     def __call__(self, *args, **kwargs):
         # As the fake kernel of `_fwd`, the last argument is needs_input_grad
@@ -259,28 +179,35 @@ class FakeRunner(Runner):
         if len(args) > self.n_args:
             needs = args[self.n_args]
             args = args[: self.n_args]
-        if needs is not None:
-            needs = tuple(needs)
         if kwargs or len(args) != self.n_args:
             args = self.complete(args, kwargs)
-        *outs, residuals, record = Runner.__call__(self, needs, *args)
+        prev = torch.is_grad_enabled()
+        torch._C._set_grad_enabled(False)
+        try:
+            outs, residuals, record = self.run(
+                needs, args, self.guarded_forward, self.guarded_setup
+            )
+        finally:
+            torch._C._set_grad_enabled(prev)
         if record is not None:
             _C.set_forward_record(*record)
         return (*outs, residuals)
 
-    def __init__(self, *a, has_user_fake: bool, **k):
-        super().__init__(*a, **k)
-        self.has_user_fake = has_user_fake
+    def call_user(self, ctx, args):
+        return self._guard(super().call_user)(ctx, args)
 
-    def call_user(self, ctx, args, grad_off=True):
-        try:
-            return super().call_user(ctx, args, grad_off)
-        except (FakeForwardError, SchemaError, UnsupportedError):
-            raise
-        except Exception as e:
-            if self.has_user_fake:
+    def _guard(self, fn: Callable) -> Callable:
+        def guarded(*args):
+            try:
+                return fn(*args)
+            except (FakeForwardError, SchemaError, UnsupportedError):
                 raise
-            raise fake_forward_error(self.fn_name, e) from e
+            except Exception as e:
+                if self.has_user_fake:
+                    raise
+                raise fake_forward_error(self.fn_name, e) from e
+
+        return guarded
 
 
 class InferenceFake:
@@ -299,10 +226,9 @@ class BackwardRunner:
 
     The real kernel of `_bwd` runs in C++ (Note [Python kernels]) and uses
     ``backward``, ``tensor_flags``, ``decode_ctx`` and the error helpers;
-    ``__call__`` is its Python twin for fake kernels and graph passes.
+    ``__call__`` gives Python callers (fake kernels, graph passes, stored
+    programs) the same C++ run.
     """
-
-    in_python = False  # no copies of gradients that alias inputs
 
     def __init__(self, fn_name: str, backward: Callable, specs):
         self.fn_name = fn_name
@@ -312,24 +238,13 @@ class BackwardRunner:
         self.tensor_flags = tuple(s.is_tensor for s in specs)
 
     def __call__(self, saved, grads, needs_input_grad, state, state_ints):
-        if state:
-            n_explicit, attrs = decode_state(state, saved, state_ints)
-            saved = saved[:n_explicit]
-        else:
-            attrs = None
-        ctx = BackwardContext(self.fn_name, tuple(saved), tuple(needs_input_grad), attrs)
-        res = self.backward(ctx, *grads)
-        if type(res) is not tuple:
-            res = (res,)
-        if len(res) != self.n_args:
-            res = self._fix_count(res)
-        for g, is_tensor in zip(res, self.tensor_flags):
-            if g is not None and not (is_tensor and isinstance(g, torch.Tensor)):
-                self._raise_bad_gradients(res)
-        if self.in_python:
-            # Op outputs must not alias op inputs (a backward often returns grad itself).
-            res = _unalias(res, [t for t in (*saved, *grads) if t is not None])
-        return (res,)
+        """(gradients,): one gradient or None per forward argument; gradients
+        that alias a saved tensor or an output gradient are copies."""
+        return (
+            _C.run_backward(
+                self, self.backward, saved, grads, needs_input_grad, state, list(state_ints)
+            ),
+        )
 
     @staticmethod
     def decode_ctx(state: str, saved: tuple, state_ints) -> tuple:
@@ -364,13 +279,7 @@ class BackwardRunner:
                 )
 
 
-class FakeBackwardRunner(BackwardRunner):
-    in_python = True
-
-
 def make_backward_fake(runner: BackwardRunner, fn_name: str) -> Callable:
-    runner = FakeBackwardRunner(runner.fn_name, runner.backward, runner.specs)
-
     def fake_backward(saved, grads, needs_input_grad, state, state_ints):
         try:
             return list(runner(saved, grads, needs_input_grad, state, state_ints)[0])

@@ -220,8 +220,7 @@ def _full_args(schema, args, kwargs) -> list:
 
 def _python_decomposition(info: OpaqueInfo) -> Optional[Callable]:
     """The Function's own forward (or backward) as a decomposition of the called op."""
-    from .context import ForwardContext
-    from .kernels import FakeBackwardRunner, Runner, _unalias
+    from .kernels import BackwardRunner, Runner
 
     fn = info.function
     ov = fn.overloads.get(info.overload) if fn is not None else None
@@ -229,7 +228,7 @@ def _python_decomposition(info: OpaqueInfo) -> Optional[Callable]:
         return None
     schema = info.target._schema
     if info.role == "bwd":
-        runner = FakeBackwardRunner(fn.display_name, fn.cls.backward, ov.specs)
+        runner = BackwardRunner(fn.display_name, fn.cls.backward, ov.specs)
 
         def backward(saved, grads, needs_input_grad, state, state_ints):
             return list(runner(saved, grads, needs_input_grad, state, state_ints)[0])
@@ -238,28 +237,19 @@ def _python_decomposition(info: OpaqueInfo) -> Optional[Callable]:
 
     setup = fn.cls.setup_context if fn.setup_style else None
     runner = Runner(fn.display_name, fn.cls.forward, setup, ov.specs, ov.n_out)
-    runner.in_python = True  # residuals that alias inputs/outputs are cloned
     training = info.role == "fwd"
 
     def forward(*args, **kwargs):
         args = _full_args(schema, args, kwargs)
-        traced_needs = args.pop() if training else None  # `_fwd`'s needs_input_grad
-        for i, conv in runner.convs:
-            if args[i] is not None:
-                args[i] = conv(args[i])
-        if traced_needs is not None:
-            needs = tuple(traced_needs)
-        else:
-            needs = tuple(
-                training and s.is_tensor and a is not None for s, a in zip(ov.specs, args)
-            )
-        ctx = ForwardContext(fn.display_name, needs)
-        # grad mode is left alone: toggling it would be recorded in the graph
-        outs = runner.outputs(runner.call_user(ctx, args, grad_off=False))
-        inputs = [a for a in args if isinstance(a, torch.Tensor)]
-        outs = _unalias(outs, inputs)
+        needs = None
         if training:
-            residuals, _record = runner.record(ctx, args, outs)
+            needs = args.pop()  # `_fwd`'s needs_input_grad
+            if needs is None:
+                needs = tuple(s.is_tensor and a is not None for s, a in zip(ov.specs, args))
+        # Grad mode is left alone (toggling it would be recorded in the graph);
+        # outputs and residuals that alias inputs come back as copies.
+        outs, residuals, _record = runner.run(needs, args)
+        if training:
             return (*outs, list(residuals))
         return outs[0] if len(outs) == 1 else tuple(outs)
 

@@ -136,7 +136,6 @@ class _ForwardTrace(torch.nn.Module):
         ov = fn.overloads[overload]
         setup = fn.cls.setup_context if fn.setup_style else None
         self.runner = Runner(fn.display_name, fn.cls.forward, setup, ov.specs, ov.n_out)
-        self.runner.in_python = True  # clone residuals that alias inputs/outputs
         self.fn_name = fn.display_name
         self.desc = desc
         # torch.export restores state reachable from the module after tracing:
@@ -144,21 +143,13 @@ class _ForwardTrace(torch.nn.Module):
         self._report = report
 
     def forward(self, flat):
-        from .context import ForwardContext
-        from .kernels import _unalias
-
         args = _rebuild_args(self.desc, list(flat))
-        for i, conv in self.runner.convs:
-            if args[i] is not None:
-                args[i] = conv(args[i])
         needs = tuple(
             d["kind"] == "tensor" and args[i] is not None for i, d in enumerate(self.desc)
         )
-        ctx = ForwardContext(self.fn_name, needs)
-        outs = self.runner.outputs(self.runner.call_user(ctx, args, grad_off=False))
-        inputs = [t for t in flat if isinstance(t, torch.Tensor)]
-        outs = _unalias(outs, inputs)
-        residuals, record = self.runner.record(ctx, args, outs)
+        # The C++ run copies outputs and residuals that alias inputs (Note [One
+        # forward finisher]); grad mode is left alone, as tracing requires.
+        outs, residuals, record = self.runner.run(needs, args)
         saved, non_diff, _materialize, state, state_ints = record
         self._report((list(saved), list(non_diff), state, len(state_ints)))
         return (*outs, *residuals, *state_ints)
@@ -169,10 +160,10 @@ class _BackwardTrace(torch.nn.Module):
 
     def __init__(self, fn, overload, saved_none, n_out, state, needs, report):
         super().__init__()
-        from .kernels import FakeBackwardRunner
+        from .kernels import BackwardRunner
 
         ov = fn.overloads[overload]
-        self.runner = FakeBackwardRunner(fn.display_name, fn.cls.backward, ov.specs)
+        self.runner = BackwardRunner(fn.display_name, fn.cls.backward, ov.specs)
         self.saved_none = saved_none
         self.n_out = n_out
         self.state = state

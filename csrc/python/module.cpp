@@ -62,6 +62,14 @@ PYBIND11_MODULE(_C, m) {
       },
       py::arg("ns"), py::arg("name"), py::arg("overload"), py::arg("arguments"),
       py::arg("returns"), py::arg("forward"), py::arg("backward"));
+  m.def("run_forward", &run_forward_from_python, py::arg("runner"), py::arg("forward"),
+        py::arg("setup_context"), py::arg("needs"), py::arg("args"),
+        "Run a kernels.Runner's forward like the real kernel, from Python (Note [Python "
+        "kernels]): (outputs, residuals, record or None).");
+  m.def("run_backward", &run_backward_from_python, py::arg("runner"), py::arg("backward"),
+        py::arg("saved"), py::arg("grads"), py::arg("needs_input_grad"), py::arg("state"),
+        py::arg("state_ints"),
+        "Run a kernels.BackwardRunner's backward like the real kernel, from Python.");
   m.def("set_forward_record", &set_forward_record_py, py::arg("saved"),
         py::arg("non_differentiable"), py::arg("materialize_grads"), py::arg("state"),
         py::arg("state_ints"));

@@ -120,24 +120,11 @@ struct ForwardSpec {
   std::optional<std::vector<Kind>> kinds;
 };
 
-void run_forward(ForwardSpec& s, const c10::FunctionSchema& schema, torch::jit::Stack* stack) {
-  std::optional<std::vector<bool>> needs = take_needs_input_grad();
-  const bool recording = needs.has_value();
-  py::gil_scoped_acquire gil;
-  // `_fwd`'s schema, whose last argument (needs_input_grad) is already popped.
-  const size_t n = schema.arguments().size() - 1;
-  if (!s.kinds) {
-    s.kinds.emplace();
-    for (size_t i = 0; i < n; ++i) s.kinds->push_back(kind_of(schema.arguments()[i]));
-  }
-  c10::SmallVector<c10::IValue, 8> inputs(stack->end() - n, stack->end());
-  torch::jit::drop(*stack, n);
-  py::object args = steal(PyTuple_New(static_cast<Py_ssize_t>(n)));
-  for (size_t i = 0; i < n; ++i) {
-    PyTuple_SET_ITEM(args.ptr(), static_cast<Py_ssize_t>(i), to_python(inputs[i], (*s.kinds)[i]));
-  }
+// Runs the user's forward on `args` (kernel values; converted here) and
+// returns what it produced; ctx is read only when `recording`.
+detail::ForwardOutcome call_user_forward(const ForwardSpec& s, py::object args,
+                                         py::object needs_py, bool recording) {
   if (s.has_convs) args = s.runner.attr("convert_args")(args);
-  py::object needs_py = recording ? steal(bool_tuple(*needs)) : s.no_grad;
   py::object ctx = steal(new_forward_context(s.fn_name.ptr(), needs_py.ptr()));
   py::object out;
   if (s.setup.is_none()) {
@@ -176,6 +163,27 @@ void run_forward(ForwardSpec& s, const c10::FunctionSchema& schema, torch::jit::
     outcome.non_differentiable = tensors_of(view.non_diff);
     outcome.materialize_grads = view.materialize_grads;
   }
+  return outcome;
+}
+
+void run_forward(ForwardSpec& s, const c10::FunctionSchema& schema, torch::jit::Stack* stack) {
+  std::optional<std::vector<bool>> needs = take_needs_input_grad();
+  const bool recording = needs.has_value();
+  py::gil_scoped_acquire gil;
+  // `_fwd`'s schema, whose last argument (needs_input_grad) is already popped.
+  const size_t n = schema.arguments().size() - 1;
+  if (!s.kinds) {
+    s.kinds.emplace();
+    for (size_t i = 0; i < n; ++i) s.kinds->push_back(kind_of(schema.arguments()[i]));
+  }
+  c10::SmallVector<c10::IValue, 8> inputs(stack->end() - n, stack->end());
+  torch::jit::drop(*stack, n);
+  py::object args = steal(PyTuple_New(static_cast<Py_ssize_t>(n)));
+  for (size_t i = 0; i < n; ++i) {
+    PyTuple_SET_ITEM(args.ptr(), static_cast<Py_ssize_t>(i), to_python(inputs[i], (*s.kinds)[i]));
+  }
+  py::object needs_py = recording ? steal(bool_tuple(*needs)) : s.no_grad;
+  detail::ForwardOutcome outcome = call_user_forward(s, std::move(args), needs_py, recording);
   detail::finish_forward(s.name, c10::ArrayRef<c10::IValue>(inputs.data(), inputs.size()),
                          std::move(outcome), recording, stack);
 }
@@ -266,6 +274,50 @@ void run_backward(const BackwardSpec& s, torch::jit::Stack* stack) {
   detail::finish_backward(s.name, s.tensor_args, std::move(result), saved, grads, stack);
 }
 
+ForwardSpec forward_spec(const py::object& runner) {
+  ForwardSpec s;
+  s.name = runner.attr("fn_name").cast<std::string>();
+  s.fn_name = runner.attr("fn_name");
+  s.runner = runner;
+  s.forward = runner.attr("forward");
+  s.setup = runner.attr("setup_context");
+  s.no_grad = runner.attr("no_grad");
+  s.n_out = runner.attr("n_out").cast<size_t>();
+  s.has_convs = py::len(runner.attr("convs")) > 0;
+  return s;
+}
+
+BackwardSpec backward_spec(const py::object& runner) {
+  BackwardSpec s;
+  s.name = runner.attr("fn_name").cast<std::string>();
+  s.fn_name = runner.attr("fn_name");
+  s.runner = runner;
+  s.backward = runner.attr("backward");
+  for (py::handle f : runner.attr("tensor_flags")) s.tensor_args.push_back(f.cast<bool>());
+  return s;
+}
+
+// The tensors of a Python argument, as finish_forward matches them: a tensor,
+// a list/tuple of tensors, or nothing.
+c10::IValue matchable(PyObject* a) {
+  if (THPVariable_Check(a)) return THPVariable_Unpack(a);
+  if (PyList_Check(a) || PyTuple_Check(a)) {
+    c10::List<at::Tensor> l;
+    const Py_ssize_t n = PySequence_Fast_GET_SIZE(a);
+    for (Py_ssize_t j = 0; j < n; ++j) {
+      PyObject* e = PySequence_Fast_GET_ITEM(a, j);
+      if (!THPVariable_Check(e)) return c10::IValue();
+      l.push_back(THPVariable_Unpack(e));
+    }
+    return l;
+  }
+  return c10::IValue();
+}
+
+py::object optional_list(const c10::IValue& v) {
+  return steal(optional_tensors_tuple(optional_tensors(v)));
+}
+
 } // namespace
 
 // Kernels live for the rest of the process (see all_ops()), so the specs and
@@ -273,28 +325,82 @@ void run_backward(const BackwardSpec& s, torch::jit::Stack* stack) {
 // exit would need the GIL after the interpreter is gone.
 
 BoxedKernel make_python_forward(py::object runner) {
-  auto* s = new ForwardSpec();
-  s->name = runner.attr("fn_name").cast<std::string>();
-  s->fn_name = runner.attr("fn_name");
-  s->runner = runner;
-  s->forward = runner.attr("forward");
-  s->setup = runner.attr("setup_context");
-  s->no_grad = runner.attr("no_grad");
-  s->n_out = runner.attr("n_out").cast<size_t>();
-  s->has_convs = py::len(runner.attr("convs")) > 0;
+  auto* s = new ForwardSpec(forward_spec(runner));
   return [s](const c10::FunctionSchema& schema, torch::jit::Stack* stack) {
     run_forward(*s, schema, stack);
   };
 }
 
 BoxedKernel make_python_backward(py::object runner) {
-  auto* s = new BackwardSpec();
-  s->name = runner.attr("fn_name").cast<std::string>();
-  s->fn_name = runner.attr("fn_name");
-  s->runner = runner;
-  s->backward = runner.attr("backward");
-  for (py::handle f : runner.attr("tensor_flags")) s->tensor_args.push_back(f.cast<bool>());
+  auto* s = new BackwardSpec(backward_spec(runner));
   return [s](const c10::FunctionSchema&, torch::jit::Stack* stack) { run_backward(*s, stack); };
+}
+
+py::tuple run_forward_from_python(py::object runner, py::object forward, py::object setup,
+                                  py::object needs, py::tuple args) {
+  ForwardSpec s = forward_spec(runner);
+  s.forward = std::move(forward);
+  s.setup = std::move(setup);
+  const bool recording = !needs.is_none();
+  std::vector<c10::IValue> inputs;
+  inputs.reserve(args.size());
+  for (py::handle a : args) inputs.push_back(matchable(a.ptr()));
+  detail::ForwardOutcome outcome = call_user_forward(
+      s, args, recording ? py::object(py::tuple(needs)) : s.no_grad, recording);
+  torch::jit::Stack stack;
+  std::optional<ForwardRecord> record;
+  {
+    detail::ForwardCallScope scope(std::nullopt);
+    detail::finish_forward(s.name, inputs, std::move(outcome), recording, &stack);
+    record = scope.take_record();
+  }
+  py::tuple outs(s.n_out);
+  for (size_t k = 0; k < s.n_out; ++k) {
+    outs[k] = steal(wrap_tensor(stack[k].toTensor()));
+  }
+  py::list residuals;
+  for (const at::Tensor& t : stack.back().toTensorList().vec()) {
+    residuals.append(steal(wrap_tensor(t)));
+  }
+  py::object rec = py::none();
+  if (record) {
+    py::list saved;
+    for (const SavedRef& r : record->saved) {
+      saved.append(static_cast<int64_t>(r.kind));
+      saved.append(r.index);
+      saved.append(r.item);
+    }
+    py::list non_diff;
+    for (bool b : record->non_differentiable) non_diff.append(b);
+    rec = py::make_tuple(saved, non_diff, record->materialize_grads, record->state,
+                         record->state_ints);
+  }
+  return py::make_tuple(outs, residuals, rec);
+}
+
+py::list run_backward_from_python(py::object runner, py::object backward, py::object saved,
+                                  py::object grads, py::object needs, std::string state,
+                                  std::vector<c10::SymInt> state_ints) {
+  BackwardSpec s = backward_spec(runner);
+  s.backward = std::move(backward);
+  auto optional_ivalues = [](const py::object& seq) {
+    c10::List<std::optional<at::Tensor>> l;
+    for (py::handle t : seq) {
+      l.push_back(t.is_none() ? std::nullopt
+                              : std::optional<at::Tensor>(THPVariable_Unpack(t.ptr())));
+    }
+    return l;
+  };
+  c10::List<bool> flags;
+  for (py::handle b : needs) flags.push_back(py::cast<bool>(b));
+  torch::jit::Stack stack;
+  stack.emplace_back(optional_ivalues(saved));
+  stack.emplace_back(optional_ivalues(grads));
+  stack.emplace_back(std::move(flags));
+  stack.emplace_back(std::move(state));
+  stack.emplace_back(c10::SymIntArrayRef(state_ints));
+  run_backward(s, &stack);
+  return py::list(optional_list(stack.back()));
 }
 
 } // namespace torch_opaque::python

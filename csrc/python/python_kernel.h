@@ -16,6 +16,11 @@
 
 #include <pybind11/pybind11.h>
 
+#include <c10/core/SymInt.h>
+
+#include <string>
+#include <vector>
+
 namespace torch_opaque::python {
 
 // The `_fwd` kernel (also the op's inference kernel) of kernels.Runner `runner`.
@@ -23,5 +28,20 @@ BoxedKernel make_python_forward(pybind11::object runner);
 
 // The `_bwd` kernel of kernels.BackwardRunner `runner`.
 BoxedKernel make_python_backward(pybind11::object runner);
+
+// The same forward for Python callers that trace it (fake kernels, graph
+// passes, stored programs): `forward` / `setup` replace the runner's (e.g. to
+// translate errors); `needs` is a sequence of bools or None (not recorded).
+// Returns (outputs, residuals, record), record being None or the arguments
+// of torch_opaque._C.set_forward_record. Grad mode is left as it is.
+pybind11::tuple run_forward_from_python(pybind11::object runner, pybind11::object forward,
+                                        pybind11::object setup, pybind11::object needs,
+                                        pybind11::tuple args);
+
+// The same backward for Python callers: the list of gradients (None where none).
+pybind11::list run_backward_from_python(pybind11::object runner, pybind11::object backward,
+                                        pybind11::object saved, pybind11::object grads,
+                                        pybind11::object needs, std::string state,
+                                        std::vector<c10::SymInt> state_ints);
 
 } // namespace torch_opaque::python
