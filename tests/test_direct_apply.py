@@ -126,3 +126,12 @@ def test_subclass_of_a_wrapped_class_runs_the_original_function():
     y = Sub.apply(x, 2.0)
     assert "DirectScale" not in y.grad_fn.name()  # plain autograd.Function node
     torch.testing.assert_close(y, x * 2.0)
+
+
+def test_apply_looks_like_a_method_to_introspection():
+    import inspect
+
+    assert str(inspect.signature(DirectScale.apply)) == "(*args, **kwargs)"
+    assert DirectScale.apply.__name__ == "apply"
+    assert DirectScale.apply.__qualname__ == "DirectScale.apply"
+    assert "opaque::DirectScale" in DirectScale.apply.__doc__

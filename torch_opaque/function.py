@@ -297,8 +297,13 @@ _patched_apply.__name__ = "apply"
 
 def _make_apply(cls: type, fn: OpaqueFunction):
     """``cls.apply``: a C-level DirectApply with ``_patched_apply`` as its fallback."""
-    fn.direct_apply = _C.DirectApply(cls, _patched_apply)
-    return fn.direct_apply
+    apply = _C.DirectApply(cls, _patched_apply)
+    apply.__name__ = "apply"
+    apply.__qualname__ = f"{cls.__qualname__}.apply"
+    apply.__doc__ = f"Runs the op {fn.namespace}::{fn.name} (torch_opaque); {cls.__qualname__} is unchanged."
+    apply.__signature__ = inspect.signature(_ORIGINAL_APPLY)  # (cls, *args, **kwargs)
+    fn.direct_apply = apply
+    return apply
 
 
 def _check_wrappable(cls) -> None:

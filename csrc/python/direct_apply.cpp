@@ -29,6 +29,7 @@ constexpr size_t kMaxEntries = 16;
 struct DirectApply {
   PyObject_HEAD
   vectorcallfunc vectorcall;
+  PyObject* dict;      // __name__, __qualname__, __signature__ (set by Python)
   PyObject* cls;       // the wrapped Function class
   PyObject* fallback;  // Python apply: fallback(cls, *args, **kwargs)
   std::vector<Entry>* entries;
@@ -129,6 +130,7 @@ PyObject* direct_apply_new(PyTypeObject* type, PyObject* args, PyObject* kwds) {
 
 int direct_apply_traverse(PyObject* obj, visitproc visit, void* arg) {
   auto* self = reinterpret_cast<DirectApply*>(obj);
+  Py_VISIT(self->dict);
   Py_VISIT(self->cls);
   Py_VISIT(self->fallback);
   return 0;
@@ -136,6 +138,7 @@ int direct_apply_traverse(PyObject* obj, visitproc visit, void* arg) {
 
 int direct_apply_clear(PyObject* obj) {
   auto* self = reinterpret_cast<DirectApply*>(obj);
+  Py_CLEAR(self->dict);
   Py_CLEAR(self->cls);
   Py_CLEAR(self->fallback);
   return 0;
@@ -207,6 +210,10 @@ PyMethodDef direct_apply_methods[] = {
     {"size", direct_apply_size, METH_NOARGS, "number of registered signatures"},
     {nullptr, nullptr, 0, nullptr}};
 
+PyGetSetDef direct_apply_getset[] = {
+    {"__dict__", PyObject_GenericGetDict, PyObject_GenericSetDict, nullptr, nullptr},
+    {nullptr, nullptr, nullptr, nullptr, nullptr}};
+
 PyTypeObject DirectApplyType = {PyVarObject_HEAD_INIT(nullptr, 0)};
 
 } // namespace
@@ -224,6 +231,8 @@ bool add_direct_apply_type(PyObject* m) {
   DirectApplyType.tp_traverse = direct_apply_traverse;
   DirectApplyType.tp_clear = direct_apply_clear;
   DirectApplyType.tp_methods = direct_apply_methods;
+  DirectApplyType.tp_getset = direct_apply_getset;
+  DirectApplyType.tp_dictoffset = offsetof(DirectApply, dict);
   DirectApplyType.tp_call = PyVectorcall_Call;
   DirectApplyType.tp_vectorcall_offset = offsetof(DirectApply, vectorcall);
   return add_type(m, &DirectApplyType, "DirectApply");
