@@ -5,7 +5,6 @@
 #include <torch_opaque/detail/cpp_kernels.h>
 #include <torch_opaque/forward_record.h>
 
-#include <ATen/core/grad_mode.h>
 #include <c10/util/SmallVector.h>
 #include <torch/csrc/DynamicTypes.h>
 #include <torch/csrc/autograd/python_variable.h>
@@ -91,10 +90,6 @@ std::vector<at::Tensor> tensors_of(PyObject* seq) {
   return out;
 }
 
-py::object attr(PyObject* o, const char* name) {
-  return steal(PyObject_GetAttrString(o, name));
-}
-
 // Calls f(first, *rest) without building a tuple.
 py::object call_with_first(PyObject* f, PyObject* first, PyObject* rest_tuple) {
   const Py_ssize_t n = PyTuple_GET_SIZE(rest_tuple);
@@ -110,7 +105,7 @@ py::object call_with_first(PyObject* f, PyObject* first, PyObject* rest_tuple) {
 // What the bridge reads once from a kernels.Runner.
 struct ForwardSpec {
   std::string name;     // the Function's name, for messages
-  py::object runner;    // slow paths: convert_args, outputs, encode_state
+  py::object runner;    // rare paths: convert_args, outputs, encode_ctx
   py::object forward;   // forward(ctx, *args), or forward(*args) with setup_context
   py::object setup;     // setup_context or None
   py::object fn_name;
@@ -191,7 +186,7 @@ void run_forward(ForwardSpec& s, const c10::FunctionSchema& schema, torch::jit::
 // What the bridge reads once from a kernels.BackwardRunner.
 struct BackwardSpec {
   std::string name;
-  py::object runner;    // slow paths: decode_state, fix_count, raise_bad_gradients
+  py::object runner;    // rare paths: decode_ctx, _fix_count, _raise_bad_gradients
   py::object backward;  // backward(ctx, *grads)
   py::object fn_name;
   std::vector<bool> tensor_args;

@@ -2,15 +2,16 @@
 // Note [Python kernels]
 // The kernels of an opaque op made from a Python autograd.Function run the
 // user's forward and backward from C++: the bridge converts the stack to
-// Python objects, builds the ctx (torch_opaque/context.py), calls the user's
+// Python objects, builds the ctx (Note [ctx types]), calls the user's
 // function, checks what it returned, and hands the result to the same
 // finishers as ops written in C++ (Note [One forward finisher] in
 // include/torch_opaque/detail/cpp_kernels.h), so saved-tensor matching,
 // output copies and the forward record exist once. The Python runner objects
 // (torch_opaque/kernels.py) supply the callables and handle the rare paths
-// (argument conversion, ctx attribute encoding, error messages); their
-// __call__ is the traceable Python twin used by fake kernels and graph passes.
-// Python exceptions propagate unchanged to the Python caller.
+// (argument conversion, ctx attribute encoding, error messages). Python code
+// that traces a forward or backward (fake kernels, graph passes, stored
+// programs) runs it through the same code with run_forward_from_python /
+// run_backward_from_python. Python exceptions propagate unchanged.
 
 #include <torch_opaque/opaque_op.h>
 
