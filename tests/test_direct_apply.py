@@ -135,3 +135,40 @@ def test_apply_looks_like_a_method_to_introspection():
     assert DirectScale.apply.__name__ == "apply"
     assert DirectScale.apply.__qualname__ == "DirectScale.apply"
     assert "opaque::DirectScale" in DirectScale.apply.__doc__
+
+
+def python_apply_calls(fn) -> int:
+    """How many times the Python fallback of Cls.apply ran during fn()."""
+    import sys
+
+    calls = []
+
+    def profile(frame, event, arg):
+        if event == "call" and frame.f_code.co_name == "_patched_apply":
+            calls.append(frame)
+
+    sys.setprofile(profile)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+    return len(calls)
+
+
+def test_known_types_skip_python_and_the_rest_does_not():
+    x = torch.randn(3, requires_grad=True)
+    p = torch.nn.Parameter(torch.randn(3))
+    DirectScale.apply(x, 2.0)
+    DirectScale.apply(p, 2.0)
+    assert python_apply_calls(lambda: DirectScale.apply(x, 2.0)) == 0
+    assert python_apply_calls(lambda: DirectScale.apply(p, 2.0)) == 0  # disabled __torch_function__
+    assert python_apply_calls(lambda: DirectScale.apply(x, alpha=2.0)) == 1
+    assert python_apply_calls(lambda: DirectScale.apply(x, 2)) == 1  # int: a new signature
+    assert python_apply_calls(lambda: DirectScale.apply(x, 2)) == 0  # ... now known
+
+    class Mode(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    with Mode():
+        assert python_apply_calls(lambda: DirectScale.apply(x, 2.0)) == 1
