@@ -19,9 +19,6 @@ from . import _C
 from .context import ForwardContext, decode_state, encode_state, user_attributes
 from .errors import FakeForwardError, SchemaError, UnsupportedError
 
-_is_alias_of = torch._C._is_alias_of
-
-
 def fake_forward_error(fn_name: str, err: BaseException) -> FakeForwardError:
     return FakeForwardError(
         f"torch_opaque: {fn_name}.forward cannot run on fake tensors while tracing "
@@ -138,21 +135,6 @@ class Runner:
             else:
                 raise TypeError(f"{self.fn_name}: missing argument '{spec.name}'")
         return args
-
-
-def _unalias(outs: tuple, inputs: list) -> tuple:
-    """Operator outputs may not alias inputs or each other: copy those that do."""
-    fixed = None
-    for k, o in enumerate(outs):
-        if o is None:
-            continue
-        if any(_is_alias_of(o, x) for x in inputs) or any(
-            x is not None and _is_alias_of(o, x) for x in outs[:k]
-        ):
-            if fixed is None:
-                fixed = list(outs)
-            fixed[k] = o.clone()
-    return outs if fixed is None else tuple(fixed)
 
 
 class FakeRunner(Runner):

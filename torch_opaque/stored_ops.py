@@ -475,6 +475,22 @@ def _call_summary(schema, args) -> str:
     return "(" + ", ".join(parts) + ")"
 
 
+def _unalias(outs: tuple, inputs: list) -> tuple:
+    """Operator outputs may not alias inputs or each other: copy those that do
+    (what the C++ finishers do for Python Functions, here for stored programs)."""
+    fixed = None
+    for k, o in enumerate(outs):
+        if o is None:
+            continue
+        if any(torch._C._is_alias_of(o, x) for x in inputs) or any(
+            x is not None and torch._C._is_alias_of(o, x) for x in outs[:k]
+        ):
+            if fixed is None:
+                fixed = list(outs)
+            fixed[k] = o.clone()
+    return outs if fixed is None else tuple(fixed)
+
+
 class _StoredOverload:
     """Kernels of one overload re-created from stored programs."""
 
@@ -548,8 +564,6 @@ class _StoredOverload:
 
     # fake kernels (called from Python by PyTorch)
     def fake_fwd(self, *args, **kwargs):
-        from .kernels import _unalias
-
         # `_fwd`'s last argument is needs_input_grad (none when called as the op).
         needs = kwargs.pop("needs_input_grad", None)
         if len(args) > len(self.schema.arguments):
@@ -570,8 +584,6 @@ class _StoredOverload:
         return outs[0] if len(outs) == 1 else outs
 
     def fake_bwd(self, saved, grads, needs_input_grad, state, state_ints):
-        from .kernels import _unalias
-
         v = self._variant_of_state(state)
         flat = [t for t, none in zip(saved, v.saved_none) if not none]
         out = v.bwd.forward([*flat, *grads, *state_ints])
