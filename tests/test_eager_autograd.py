@@ -1,6 +1,6 @@
 """Acceptance 2: eager outputs, gradients and ctx behave as the original Function."""
 
-from typing import List, Optional, Tuple
+from typing import Optional
 
 import pytest
 import torch

@@ -10,7 +10,6 @@ import torch
 
 import torch_opaque
 from conftest import aten_calls, op_calls
-from torch_opaque.function import default_name
 
 
 _counter = iter(range(10**6))

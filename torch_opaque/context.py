@@ -19,7 +19,6 @@ attribute.
 from __future__ import annotations
 
 import ast
-from typing import Any
 
 import torch
 

@@ -25,7 +25,7 @@ import hashlib
 import inspect
 import re
 import threading
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 from torch.autograd.function import _is_setup_context_defined
