@@ -27,8 +27,8 @@ from .errors import UnsupportedError
 
 # Note [ctx types] (csrc/python/context_types.h): both are C types, like
 # autograd.Function's own ctx. ForwardContext(fn_name, needs_input_grad) has
-# save_for_backward, mark_non_differentiable, set_materialize_grads,
-# save_for_backward / saved_tensors, and refuses mark_dirty;
+# save_for_backward / saved_tensors, needs_input_grad, mark_non_differentiable,
+# set_materialize_grads, save_for_forward (ignored), and refuses mark_dirty;
 # BackwardContext(fn_name, saved_tensors, needs_input_grad, attrs) has
 # saved_tensors (saved_variables), needs_input_grad and the forward's attributes.
 # Their __dict__ holds exactly the user's attributes.
