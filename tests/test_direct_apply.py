@@ -172,3 +172,27 @@ def test_known_types_skip_python_and_the_rest_does_not():
 
     with Mode():
         assert python_apply_calls(lambda: DirectScale.apply(x, 2.0)) == 1
+
+
+@torch_opaque.op(name="DirectNested")
+class DirectNested(torch.autograd.Function):
+    """Its forward calls its own apply with other argument types."""
+
+    @staticmethod
+    def forward(ctx, x, k):
+        if k == 0:
+            for v in (1.5, True, None, "s", torch.float32, 2):
+                DirectNested.apply(x, v)  # new signatures registered mid-call
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * 2, None
+
+
+def test_apply_may_register_signatures_while_running():
+    x = torch.randn(3)
+    DirectNested.apply(x, 1)
+    out = DirectNested.apply(x, 0)  # fast path; its forward adds six signatures
+    torch.testing.assert_close(out, x * 2)
+    assert fast(DirectNested).size() == 6  # int, float, bool, None, str, dtype

@@ -87,9 +87,10 @@ PyObject* call_entry(const Entry& e, PyObject* const* args, size_t n) {
       stack.push_back(torch::jit::toIValue(a, schema.arguments()[i].real_type()));
     }
   }
+  const bool wrap_single = e.wrap_single;
   e.op.callBoxed(stack);
   const size_t n_out = stack.size();
-  if (n_out == 1 && !e.wrap_single) {
+  if (n_out == 1 && !wrap_single) {
     return THPVariable_Wrap(std::move(stack[0]).toTensor());
   }
   PyObject* out = PyTuple_New(static_cast<Py_ssize_t>(n_out));
@@ -141,6 +142,9 @@ PyObject* direct_apply_new(PyTypeObject* type, PyObject* args, PyObject* kwds) {
   Py_INCREF(fallback);
   self->fallback = fallback;
   self->entries = new std::vector<Entry>();
+  // Never reallocated: a call holds a pointer to its entry while the user's
+  // forward runs, and that forward may call apply with new types (add()).
+  self->entries->reserve(kMaxEntries);
   return reinterpret_cast<PyObject*>(self);
 }
 
