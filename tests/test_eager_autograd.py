@@ -413,22 +413,10 @@ def test_non_differentiable_output_that_is_an_input_stays_non_differentiable():
     assert mask.grad is None
 
 
-@torch_opaque.op(name="ThreadScaledSin")
-class ThreadScaledSin(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, k: float):
-        ctx.save_for_backward(x)
-        ctx.k = k
-        return x.sin() * k
-
-    @staticmethod
-    def backward(ctx, g):
-        (x,) = ctx.saved_tensors
-        return g * x.cos() * ctx.k, None
-
-
 def test_threads_each_get_their_own_ctx_and_record():
     import threading
+
+    from opaque_fixtures.archops import ScaledSin  # sin(x) * scale, scale kept on ctx
 
     errors = []
 
@@ -436,7 +424,7 @@ def test_threads_each_get_their_own_ctx_and_record():
         try:
             for _ in range(200):
                 x = torch.randn(8, requires_grad=True)
-                (gx,) = torch.autograd.grad(ThreadScaledSin.apply(x, k).sum(), x)
+                (gx,) = torch.autograd.grad(ScaledSin.apply(x, k).sum(), x)
                 torch.testing.assert_close(gx, x.detach().cos() * k)
         except Exception as e:  # reported below: threads swallow exceptions
             errors.append(e)

@@ -2,10 +2,11 @@
 
 The C++ bridge runs the real (eager) kernels itself, reading the callables
 from these objects (Note [Python kernels] in csrc/python/python_kernel.h).
-Their ``__call__`` is the same work in Python, for callers that must trace it:
-the ops' fake kernels (which report the forward record through
-``_C.set_forward_record``, Note [Forward record] in
-include/torch_opaque/forward_record.h), graph passes and ONNX.
+Python callers that trace a forward or backward use the same C++ run through
+``Runner.run`` and ``BackwardRunner.__call__``: the ops' fake kernels (which
+report the forward record through ``_C.set_forward_record``, Note [Forward
+record] in include/torch_opaque/forward_record.h), graph passes, stored
+programs and ONNX.
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ class Runner:
     csrc/python/python_kernel.h): it reads ``forward``, ``setup_context``,
     ``n_out``, ``no_grad`` and ``convs`` from this object and calls
     ``convert_args``, ``outputs`` and ``encode_ctx`` for the rare paths.
-    ``run`` (and ``__call__``) give Python callers that trace the forward
+    ``run`` gives Python callers that trace the forward
     (fake kernels, graph passes, stored programs, ONNX) the same C++ run.
     """
 
@@ -117,11 +118,6 @@ class Runner:
             )
         check_tensor_outputs(self.fn_name, outs)
         return outs
-
-    def __call__(self, needs, *args):
-        """(*outputs, residuals, record); see ``run``."""
-        outs, residuals, record = self.run(needs, args)
-        return (*outs, residuals, record)
 
     def complete(self, args, kwargs) -> list:
         """All arguments by position: callers (fake-kernel dispatch, torch.ops with

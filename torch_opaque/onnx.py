@@ -322,8 +322,9 @@ class _Body(torch.nn.Module):
             else None if t[0] == "N" else t[1]
             for t in self.template
         ]
-        outs = self.ov.runner(None, *args)[: self.ov.n_out]
-        return tuple(o.clone() if any(o is t for t in tensors) else o for o in outs)
+        # The bridge's run already copies outputs that alias inputs.
+        outs, _residuals, _record = self.ov.runner.run(None, args)
+        return tuple(outs)
 
 
 # ---- the exporter ------------------------------------------------------------------------
