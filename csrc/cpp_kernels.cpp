@@ -331,7 +331,7 @@ void finish_forward(const std::string& op_name, c10::ArrayRef<c10::IValue> input
   set_forward_record(std::move(record));
 }
 
-std::pair<Context, std::vector<at::Tensor>> start_backward(torch::jit::Stack* stack) {
+BackwardArgs pop_backward_args(torch::jit::Stack* stack) {
   auto args = torch::jit::last(*stack, 5);
   auto to_vec = [](const c10::IValue& v) {
     std::vector<at::Tensor> out;
@@ -339,21 +339,27 @@ std::pair<Context, std::vector<at::Tensor>> start_backward(torch::jit::Stack* st
     out.reserve(list.size());
     for (const auto& t : list) {
       std::optional<at::Tensor> o = t;
-      out.push_back(o.has_value() ? *o : at::Tensor());
+      out.push_back(o.has_value() ? std::move(*o) : at::Tensor());
     }
     return out;
   };
-  std::vector<at::Tensor> saved = to_vec(args[0]);
-  std::vector<at::Tensor> grads = to_vec(args[1]);
+  BackwardArgs a;
+  a.saved = to_vec(args[0]);
+  a.grads = to_vec(args[1]);
   auto needs_list = args[2].toBoolList();
-  std::vector<bool> needs(needs_list.begin(), needs_list.end());
-  std::map<std::string, c10::IValue> data =
-      decode_saved_data(args[3].toStringRef(), args[4].toSymIntVector());
+  a.needs_input_grad.assign(needs_list.begin(), needs_list.end());
+  a.state = args[3].toStringRef();
+  a.state_ints = args[4].toSymIntVector();
   torch::jit::drop(*stack, 5);
-  Context ctx(std::move(needs));
-  ctx.set_saved_tensors(std::move(saved));
-  ctx.saved_data = std::move(data);
-  return {std::move(ctx), std::move(grads)};
+  return a;
+}
+
+std::pair<Context, std::vector<at::Tensor>> start_backward(torch::jit::Stack* stack) {
+  BackwardArgs a = pop_backward_args(stack);
+  Context ctx(std::move(a.needs_input_grad));
+  ctx.set_saved_tensors(std::move(a.saved));
+  ctx.saved_data = decode_saved_data(a.state, a.state_ints);
+  return {std::move(ctx), std::move(a.grads)};
 }
 
 void finish_backward(const std::string& op_name, const std::vector<bool>& tensor_args,

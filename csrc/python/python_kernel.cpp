@@ -212,28 +212,8 @@ PyObject* optional_tensors_tuple(const std::vector<at::Tensor>& ts) {
   return t;
 }
 
-std::vector<at::Tensor> optional_tensors(const c10::IValue& v) {
-  const auto list = v.toOptionalTensorList();
-  std::vector<at::Tensor> out;
-  out.reserve(list.size());
-  for (const auto& t : list) {
-    std::optional<at::Tensor> o = t;
-    out.push_back(o.has_value() ? std::move(*o) : at::Tensor());
-  }
-  return out;
-}
-
 void run_backward(const BackwardSpec& s, torch::jit::Stack* stack) {
-  // `_bwd(Tensor?[] saved, Tensor?[] grads, bool[] needs_input_grad, str state,
-  // SymInt[] state_ints)`
-  auto in = torch::jit::last(*stack, 5);
-  std::vector<at::Tensor> saved = optional_tensors(in[0]);
-  std::vector<at::Tensor> grads = optional_tensors(in[1]);
-  auto needs_list = in[2].toBoolList();
-  std::vector<bool> needs(needs_list.begin(), needs_list.end());
-  std::string state = in[3].toStringRef();
-  std::vector<c10::SymInt> state_ints = in[4].toSymIntVector();
-  torch::jit::drop(*stack, 5);
+  auto [saved, grads, needs, state, state_ints] = detail::pop_backward_args(stack);
 
   py::gil_scoped_acquire gil;
   py::object saved_py = steal(optional_tensors_tuple(saved));
@@ -307,10 +287,6 @@ c10::IValue matchable(PyObject* a) {
     return l;
   }
   return c10::IValue();
-}
-
-py::object optional_list(const c10::IValue& v) {
-  return steal(optional_tensors_tuple(optional_tensors(v)));
 }
 
 } // namespace
@@ -395,7 +371,12 @@ py::list run_backward_from_python(py::object runner, py::object backward, py::ob
   stack.emplace_back(std::move(state));
   stack.emplace_back(c10::SymIntArrayRef(state_ints));
   run_backward(s, &stack);
-  return py::list(optional_list(stack.back()));
+  py::list out;
+  for (const auto& g : stack.back().toOptionalTensorList()) {
+    std::optional<at::Tensor> t = g;
+    out.append(t.has_value() ? steal(wrap_tensor(*t)) : py::none());
+  }
+  return out;
 }
 
 } // namespace torch_opaque::python

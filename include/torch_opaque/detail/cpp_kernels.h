@@ -40,6 +40,18 @@ void finish_forward(const std::string& op_name, Context& ctx,
                     std::vector<at::Tensor> outputs, bool recording,
                     torch::jit::Stack* stack);
 
+// The arguments of `ns::Name_bwd(Tensor?[] saved, Tensor?[] grads,
+// bool[] needs_input_grad, str state, SymInt[] state_ints)`; undefined
+// tensors stand for None.
+struct BackwardArgs {
+  std::vector<at::Tensor> saved;
+  std::vector<at::Tensor> grads;
+  std::vector<bool> needs_input_grad;
+  std::string state;
+  std::vector<c10::SymInt> state_ints;
+};
+BackwardArgs pop_backward_args(torch::jit::Stack* stack);
+
 // Pops the `_bwd` arguments; returns the Context (saved tensors, saved_data,
 // needs_input_grad) and the output gradients.
 std::pair<Context, std::vector<at::Tensor>> start_backward(torch::jit::Stack* stack);
