@@ -11,3 +11,7 @@ class FakeForwardError(RuntimeError):
 
 class UnsupportedError(RuntimeError, TypeError):
     """The Function uses a feature an opaque op cannot carry (mark_dirty, ctx state...)."""
+
+
+class RegistrationError(RuntimeError):
+    """Ops of a C++ library (TORCH_OPAQUE_DEF) that failed to register while it loaded."""

@@ -61,6 +61,20 @@ class OpaqueOp;
 // Registrations live for the rest of the process.
 std::shared_ptr<OpaqueOp> define_op(OpDefinition definition);
 
+// Note [Static registration errors]
+// TORCH_OPAQUE_DEF registers while a library is being loaded (static
+// initialization), where an escaping exception ends the process through
+// std::terminate. Its failures are recorded instead, and reported where they
+// can be caught: torch_opaque.load_library raises them as a Python
+// RegistrationError; a C++ program calls check_registrations() (e.g. first
+// thing in main, or after dlopen) to get them as a c10::Error.
+void record_registration_error(std::string message);
+// The recorded failures, oldest first; the record is emptied.
+std::vector<std::string> take_registration_errors();
+// Throws c10::Error listing the recorded failures (and empties the record);
+// does nothing when there are none.
+void check_registrations();
+
 class OpaqueOp {
  public:
   const OpDefinition& definition() const { return def_; }

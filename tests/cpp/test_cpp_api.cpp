@@ -206,6 +206,28 @@ TEST(CppApi, RegistrationErrorsNameTheFix) {
   }
 }
 
+TEST(CppApi, StaticRegistrationFailuresAreRecordedNotThrown) {
+  // What TORCH_OPAQUE_DEF does at load time (Note [Static registration errors]).
+  torch_opaque::take_registration_errors();
+  torch_opaque::detail::StaticDefinition<ScaledSin, 2> dup("opaque_cpp_test::scaled_sin",
+                                                           {"x", "scale"});
+  torch_opaque::detail::StaticDefinition<ScaledSin, 2> bad("no_namespace", {"x", "scale"});
+  EXPECT_EQ(dup.op, nullptr);
+  EXPECT_EQ(bad.op, nullptr);
+  try {
+    torch_opaque::check_registrations();
+    FAIL();
+  } catch (const c10::Error& e) {
+    const std::string what = e.what();
+    EXPECT_NE(what.find("2 op registration(s) failed while loading"), std::string::npos) << what;
+    EXPECT_NE(what.find("opaque_cpp_test::scaled_sin is already defined"), std::string::npos)
+        << what;
+    EXPECT_NE(what.find("the name must be qualified"), std::string::npos) << what;
+  }
+  torch_opaque::check_registrations(); // emptied: no second throw
+  EXPECT_TRUE(torch_opaque::take_registration_errors().empty());
+}
+
 TEST(CppApi, BackwardReturningWrongCountIsAClearError) {
   struct Bad {
     static at::Tensor forward(torch_opaque::Context&, const at::Tensor& x) { return x * 2; }
