@@ -12,7 +12,15 @@
 
 import torch  # noqa: F401  (loads libtorch before the extension)
 
-from . import _C  # noqa: F401
+try:
+    from . import _C  # noqa: F401
+except ImportError as _e:  # a source checkout that was never built, or a torch mismatch
+    raise ImportError(
+        f"torch_opaque: its compiled core (torch_opaque._C) did not load: {_e}. "
+        f"Build and install the package against the torch in this environment "
+        f"(`pip install --no-build-isolation .`, or `scripts/dev.sh build` in a checkout), "
+        f"with the torch version it was built for."
+    ) from _e
 from .auto_mode import auto, export
 from .function import DEFAULT_NAMESPACE, OpaqueFunction, is_wrapped, lookup, op, wrap
 from .errors import FakeForwardError, RegistrationError, SchemaError, UnsupportedError
