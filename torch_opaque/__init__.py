@@ -10,10 +10,12 @@
     torch_opaque.export(model, (x,)) # torch.export.export inside auto()
 """
 
+import importlib
+
 import torch  # noqa: F401  (loads libtorch before the extension)
 
 try:
-    from . import _C  # noqa: F401
+    _C = importlib.import_module(__name__ + "._C")
 except ImportError as _e:  # a source checkout that was never built, or a torch mismatch
     raise ImportError(
         f"torch_opaque: its compiled core (torch_opaque._C) did not load: {_e}. "
