@@ -159,6 +159,7 @@ std::shared_ptr<OpaqueOp> def(const std::string& qualified_name,
   if constexpr (detail::has_fake<Op>::value) {
     d.meta_forward = detail::forward_kernel(&Op::fake, qualified_name);
   }
+  d.refuse_grad_through_lists = true;
   return define_op(std::move(d));
 }
 

@@ -52,6 +52,11 @@ struct OpDefinition {
   // registered on the Meta key of `ns::Name` and `ns::Name_fwd`. Without it
   // the CompositeExplicitAutograd kernels serve meta tensors too.
   BoxedKernel meta_forward;
+  // Tensor-list (Tensor[]) arguments are not differentiated: with false their
+  // elements are ignored by autograd, as torch.autograd.Function does (the
+  // Python front end); with true (the C++ API) a call whose list elements
+  // require grad is refused, so no gradient is dropped silently.
+  bool refuse_grad_through_lists = false;
 };
 
 class OpaqueOp;
