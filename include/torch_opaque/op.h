@@ -65,23 +65,26 @@ struct has_backward<Op, std::void_t<decltype(Op::backward(std::declval<Context&>
                                                 std::declval<std::vector<at::Tensor>>())),
                           std::vector<at::Tensor>> {};
 
+template <class Args, size_t I>
+using arg_type_t = typename ForwardArgument<I, std::tuple_element_t<I, Args>>::type;
+
+// The unboxed arguments, in owning storage (see ArgType).
 template <class Args, size_t... I>
-Args unbox(c10::ArrayRef<c10::IValue> in, std::index_sequence<I...>) {
-  return Args{ArgType<std::tuple_element_t<I, Args>>::from(in[I])...};
+std::tuple<typename arg_type_t<Args, I>::storage...> unbox(c10::ArrayRef<c10::IValue> in,
+                                                           std::index_sequence<I...>) {
+  return {arg_type_t<Args, I>::from(in[I])...};
 }
 
 template <class Args, size_t... I>
 std::string schema_arguments(const std::vector<std::string>& names, std::index_sequence<I...>) {
   std::ostringstream ss;
-  ((ss << (I ? ", " : "") << ArgType<std::tuple_element_t<I, Args>>::schema << " "
-       << names[I]),
-   ...);
+  ((ss << (I ? ", " : "") << arg_type_t<Args, I>::schema() << " " << names[I]), ...);
   return ss.str();
 }
 
 template <class Args, size_t... I>
 std::vector<bool> tensor_arguments(std::index_sequence<I...>) {
-  return {ArgType<std::tuple_element_t<I, Args>>::is_tensor...};
+  return {arg_type_t<Args, I>::is_tensor...};
 }
 
 // A forward-like function (forward or fake) as a BoxedKernel of `_fwd`.
@@ -96,7 +99,7 @@ BoxedKernel forward_kernel(Fn fn, std::string op_name) {
     std::optional<std::vector<bool>> needs = take_needs_input_grad();
     const bool recording = needs.has_value();
     Context ctx(recording ? std::move(*needs) : std::vector<bool>(Sig::arity, false));
-    Args args = unbox<Args>(inputs, std::make_index_sequence<Sig::arity>{});
+    auto args = unbox<Args>(inputs, std::make_index_sequence<Sig::arity>{});
     auto result = std::apply([&](auto&... a) { return fn(ctx, a...); }, args);
     finish_forward(op_name, ctx, inputs,
                    ReturnType<typename Sig::result>::flatten(std::move(result)), recording,
