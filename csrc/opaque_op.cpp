@@ -98,7 +98,9 @@ std::string returns_string(const std::vector<std::string>& returns, bool residua
   const size_t n = returns.size() + (residuals ? 1 : 0);
   if (n != 1) ss << "(";
   for (size_t i = 0; i < returns.size(); ++i) ss << (i ? ", " : "") << returns[i];
-  if (residuals) ss << (returns.empty() ? "" : ", ") << "Tensor[]";
+  // Named returns ("Tensor values") name the residuals too.
+  const bool named = !returns.empty() && returns[0].find(' ') != std::string::npos;
+  if (residuals) ss << (returns.empty() ? "" : ", ") << (named ? "Tensor[] residuals" : "Tensor[]");
   if (n != 1) ss << ")";
   return ss.str();
 }

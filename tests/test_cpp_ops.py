@@ -38,13 +38,18 @@ def test_schemas_and_eager_gradients():
         "example::scaled_sin(Tensor x, float scale) -> Tensor"
     )
     assert str(torch.ops.example.top_value.default._schema) == (
-        "example::top_value(Tensor x, int dim) -> (Tensor, Tensor)"
+        "example::top_value(Tensor x, int dim=-1) -> (Tensor values, Tensor indices)"
+    )
+    assert str(torch.ops.example.top_value_fwd.default._schema).endswith(
+        "-> (Tensor values, Tensor indices, Tensor[] residuals)"
     )
     x = torch.randn(3, 5, dtype=torch.double, requires_grad=True)
     assert torch.autograd.gradcheck(lambda t: torch.ops.example.scaled_sin(t, 1.5), (x,))
     assert torch.autograd.gradcheck(lambda t: torch.ops.example.top_value(t, 1)[0], (x,))
     values, idx = torch.ops.example.top_value(x, 0)
     assert values.requires_grad and not idx.requires_grad
+    values, idx = torch.ops.example.top_value(x)  # dim=-1 by default
+    torch.testing.assert_close(values, x.detach().max(-1).values)
 
 
 @pytest.mark.parametrize("strict", [False, True])
