@@ -28,6 +28,7 @@ from .function import DEFAULT_NAMESPACE, OpaqueFunction, is_wrapped, lookup, op,
 from .errors import FakeForwardError, RegistrationError, SchemaError, UnsupportedError
 from .archive import ArchiveError, OpNotAllowedError, load, save
 from . import passes
+from .training import export_training, training_outputs
 from . import dynamo_hook as _dynamo_hook
 
 _dynamo_hook.install()
@@ -73,4 +74,6 @@ __all__ = [
     "ArchiveError",
     "OpNotAllowedError",
     "passes",
+    "export_training",
+    "training_outputs",
 ]
