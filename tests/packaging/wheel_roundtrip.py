@@ -169,7 +169,11 @@ def main() -> None:
     check(where[0].startswith(str(venv)), f"torch_opaque imported from the venv ({where[0]})")
     prefix = where[1]
     demo = run([py, src / "examples" / "seed_demo.py"], cwd=work, env=clean_env).stdout
-    check("torch.ops.opaque.Foo" in demo, "seed demo: torch.export graph calls torch.ops.opaque.Foo")
+    exported = demo.partition("== torch.export.export")[2].partition("== training")[0]
+    check("torch.ops.opaque.Foo." in exported and "aten.sin" not in exported,
+          "seed demo: the torch.export graph calls torch.ops.opaque.Foo (no inlined sin)")
+    check("gradients equal the eager model's: True" in demo,
+          "seed demo: training through ep.module() matches eager gradients")
     print(demo[-1500:], flush=True)
 
     step("examples/cpp against the installed package (find_package(torch_opaque))")
