@@ -71,7 +71,7 @@ PY
 build() {
   apt_deps
   python_env
-  log "pip install --no-build-isolation -e .[test] (C++ build in build/)"
+  log "pip install --no-build-isolation -e .[test] (C++ build in build/; the first one takes minutes)"
   # Editable: Python files come from torch_opaque/, the compiled files are
   # installed in site-packages/torch_opaque (lib/, include/, the CMake package).
   CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)} \

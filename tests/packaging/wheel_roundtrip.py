@@ -142,7 +142,7 @@ def main() -> None:
     step(f"pip wheel --no-build-isolation (torch {torch_version})")
     t = time.monotonic()
     env = dict(os.environ)
-    env.setdefault("CMAKE_BUILD_PARALLEL_LEVEL", str(min(os.cpu_count() or 1, 2)))
+    env.setdefault("CMAKE_BUILD_PARALLEL_LEVEL", str(os.cpu_count() or 1))
     run([sys.executable, "-m", "pip", "wheel", "--no-build-isolation", "--no-deps",
          "--disable-pip-version-check", "-w", dist, src], env=env)
     print(f"wheel built in {time.monotonic() - t:.0f} s", flush=True)
