@@ -53,7 +53,14 @@ def load_library(path) -> None:
             f"Fix the TORCH_OPAQUE_DEF lines named above and rebuild the library."
         )
 
-__version__ = "0.1.0"
+__version__ = "0.1.0"  # the one place the version is written (Note [One version], CMakeLists.txt)
+
+# For find_package(torch_opaque) in CMake, like torch.utils.cmake_prefix_path:
+# the installed package is a CMake prefix (lib/cmake/torch_opaque, include/,
+# lib/libtorch_opaque.so next to _C; Note [Wheel layout] in CMakeLists.txt).
+import os as _os
+
+cmake_prefix_path = _os.path.dirname(_os.path.abspath(_C.__file__))
 
 __all__ = [
     "op",
