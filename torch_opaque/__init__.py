@@ -13,14 +13,14 @@
 import torch  # noqa: F401  (loads libtorch before the extension)
 
 from . import _C  # noqa: F401
-from .auto_mode import auto, export
+from .hooks.auto import AutoReport, auto, export
 from .function import DEFAULT_NAMESPACE, OpaqueFunction, is_wrapped, lookup, op, wrap
 from .errors import FakeForwardError, SchemaError, UnsupportedError
 from .archive import ArchiveError, OpNotAllowedError, load, save
 from . import passes
-from . import dynamo_hook as _dynamo_hook
 
-_dynamo_hook.install()
+# Importing changes nothing in torch: the first wrap()/op/auto() reroutes
+# Function.apply and arms the Dynamo hook (torch_opaque/hooks/__init__.py).
 
 
 def load_library(path) -> None:
@@ -38,6 +38,7 @@ __all__ = [
     "lookup",
     "is_wrapped",
     "auto",
+    "AutoReport",
     "export",
     "OpaqueFunction",
     "SchemaError",

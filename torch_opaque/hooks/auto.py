@@ -89,6 +89,21 @@ class AutoReport:
     __repr__ = __str__
 
 
+_PACKAGE_DIR = __file__.rsplit("/hooks/", 1)[0]
+
+
+def _user_stacklevel() -> int:
+    """The stacklevel of the first frame outside torch_opaque and torch (the user's call)."""
+    import os
+    import sys
+
+    torch_dir = os.path.dirname(torch.__file__)
+    f, level = sys._getframe(1), 1
+    while f is not None and f.f_code.co_filename.startswith((_PACKAGE_DIR, torch_dir)):
+        f, level = f.f_back, level + 1
+    return level
+
+
 def _cls_name(cls) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
 
@@ -147,7 +162,7 @@ def fall_back(cls: type, reason: str) -> None:
         warnings.warn(
             f"torch_opaque.auto(): {cls.__qualname__} stays an ordinary autograd.Function "
             f"(inlined by export) because {reason}",
-            stacklevel=5,
+            stacklevel=_user_stacklevel(),
         )
 
 
@@ -172,7 +187,10 @@ def routed(cls: type):
         return fn
     if not active():
         return None
-    if cls in _FALLEN:
+    reason = _FALLEN.get(cls)
+    if reason is not None:
+        for report in _reports():
+            report.fallbacks.setdefault(cls, reason)
         return None
     if fn is None:
         reason = eligible(cls)
@@ -203,16 +221,16 @@ def warn_if_traced_inline(cls: type, args=()) -> None:
         f"({_FALLEN[cls]}), so the graph inlines its forward and its custom backward is lost "
         f"there: gradients of the traced model are autodiff of the forward. Fix the reason "
         f"above or keep this model out of export.",
-        stacklevel=4,
+        stacklevel=_user_stacklevel(),
     )
 
 
 def _tracing(args) -> bool:
     if torch.compiler.is_compiling():
         return True
-    import torch._guards
+    from torch import _guards
 
-    if torch._guards.detect_fake_mode() is not None:
+    if _guards.detect_fake_mode() is not None:
         return True
     from torch._subclasses.fake_tensor import is_fake
 
