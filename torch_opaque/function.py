@@ -451,6 +451,13 @@ def _forget(fn: OpaqueFunction) -> None:
     if _BY_OPNAME.get((fn.namespace, fn.name)) is fn:
         del _BY_OPNAME[(fn.namespace, fn.name)]
     fn.lib._destroy()
+    from torch._library import simple_registry
+
+    for ov in fn.overloads.values():  # the (now empty) fake-kernel entries
+        for suffix in ("", "_fwd", "_bwd"):
+            base = f"{fn.namespace}::{fn.name}{suffix}"
+            simple_registry.singleton._data.pop(f"{base}.{ov.name}", None)
+            simple_registry.singleton._data.pop(base if not ov.overload else f"{base}.{ov.overload}", None)
     ns = getattr(torch.ops, fn.namespace)
     for suffix in ("", "_fwd", "_bwd"):  # torch.ops' caches of the deregistered ops
         vars(ns).pop(fn.name + suffix, None)
