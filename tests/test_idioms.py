@@ -582,3 +582,42 @@ def test_import_does_not_import_dynamo_and_compile_still_routes():
     lines = out.stdout.strip().splitlines()
     assert lines[0] == "[3.0, 3.0]"
     assert "opaque.Twice_" in lines[1]
+
+
+class NoisyObjectOnCtx(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        ctx.helper = Helper()  # found only after forward ran (and drew random numbers)
+        return x + torch.rand_like(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g
+
+
+def test_fallback_rerun_keeps_the_random_stream():
+    x = torch.zeros(4, requires_grad=True)
+    torch.manual_seed(5)
+    ref = (F._ORIGINAL_APPLY(NoisyObjectOnCtx, x), torch.rand(2))
+    torch.manual_seed(5)
+    with torch_opaque.auto(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out = (NoisyObjectOnCtx.apply(x), torch.rand(2))
+    torch.testing.assert_close(out, ref)
+
+
+@pytest.mark.parametrize("strict", [False, True])
+def test_first_failure_found_while_exporting_falls_back_there(strict):
+    cls = type(f"ObjectOnCtxExport_{strict}", (ObjectOnCtx,), {})
+
+    class M(torch.nn.Module):
+        def forward(self, x):
+            return cls.apply(x).sin()
+
+    x = _x()
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        ep = torch_opaque.export(M(), (x,), strict=strict)
+    assert cls in ep.torch_opaque_report.fallbacks
+    assert any("custom backward is lost" in str(m.message) for m in w)
+    torch.testing.assert_close(ep.module()(x), (x * 3).sin())

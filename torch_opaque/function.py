@@ -86,6 +86,7 @@ class Overload:
         fake_runner = FakeRunner(
             name, user_fake or forward, setup, specs, n_out, has_user_fake=user_fake is not None
         )
+        self.fake_runner = fake_runner
         backward = fn.cls.backward
         if not fn.explicit:  # registered by auto(): Note [Auto fall-back]
             backward = _guard_backward(backward, fn.cls_ref)

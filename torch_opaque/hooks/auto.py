@@ -253,8 +253,11 @@ def call(cls: type, args: tuple, kwargs: dict):
         warn_if_traced_inline(cls, args)
         return ORIGINAL_APPLY(cls, *args, **kwargs)
     first = ov.name not in fn.auto_checked
-    rng = torch.get_rng_state() if first else None
+    tracing = first and _tracing(args)
+    rng = torch.get_rng_state() if first and not tracing else None
     try:
+        if tracing:
+            check_recording(ov, values)
         out = ov(values)
     except Exception as e:  # forward / fake kernel / ctx encoding under the op
         if rng is not None:
@@ -266,6 +269,40 @@ def call(cls: type, args: tuple, kwargs: dict):
     if first:
         fn.auto_checked.add(ov.name)
     return out
+
+
+def _hint(v):
+    if isinstance(v, torch.SymInt):
+        h = v.node.hint
+        return h if h is not None else 2
+    return v
+
+
+def _fake_like(v):
+    if isinstance(v, torch.Tensor):
+        return torch.empty_strided(
+            [_hint(s) for s in v.shape], [_hint(s) for s in v.stride()], dtype=v.dtype, device=v.device
+        )
+    if isinstance(v, (list, tuple)) and not isinstance(v, torch.Size):
+        return type(v)(_fake_like(x) for x in v)
+    if isinstance(v, torch.Size):
+        return torch.Size(_hint(x) for x in v)
+    return _hint(v)
+
+
+def check_recording(ov, values) -> None:
+    """First traced call of an auto-registered overload: run its fake forward
+    as a training graph would (recording ctx), on fresh fake tensors outside the
+    trace, so ctx state that cannot reach the backward is found now, while the
+    call can still fall back, and not when the exported program is trained."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    runner = ov.fake_runner
+    with _disable_current_modes(), FakeTensorMode(allow_non_fake_inputs=True), torch.no_grad():
+        args = [_fake_like(v) for v in values]
+        needs = [isinstance(v, torch.Tensor) for v in values]
+        runner.run(needs, args, runner.guarded_forward, runner.guarded_setup)
 
 
 def backward_failed(cls: type, e: BaseException) -> None:

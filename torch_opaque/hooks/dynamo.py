@@ -78,10 +78,11 @@ def _arg_trackers(fn, tx, args, kwargs) -> list:
 
 
 def _check_traceable(fn, ov, examples) -> None:
-    """Auto mode, first trace of an overload: run its `_fwd` fake kernel on the
-    example values so a failure falls back before anything is emitted."""
-    needs = [isinstance(v, torch.Tensor) and v.requires_grad for v in examples]
-    ov.fwd_op(*examples, needs_input_grad=needs)
+    """Auto mode, first trace of an overload: run its fake forward (recording
+    ctx) so a failure falls back before anything is emitted."""
+    from .auto import check_recording
+
+    check_recording(ov, examples)
     fn.auto_checked.add(ov.name)
 
 
