@@ -353,7 +353,7 @@ def ensure_routing() -> None:
         return
     from .hooks import dynamo as _dynamo_hook
 
-    _apply_hook.install_apply_route(route_apply)
+    _apply_hook.install_apply_route(route_apply, _BY_ID, _auto._state)
     _dynamo_hook.install_when_dynamo_loads()
     _ROUTING = True
 

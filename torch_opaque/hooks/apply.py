@@ -21,7 +21,9 @@ comparison``). A TorchFunctionMode does not see ``apply`` at all.
 The original code has one free variable, ``__class__`` (its ``super()``);
 the trampoline is compiled inside a class body so that it has the same one,
 and the function keeps its closure. The trampoline finds ``route`` as a
-global of torch.autograd.function, under a name torch does not use.
+global of torch.autograd.function, under a name torch does not use, with the
+registry (``_BY_ID``) and auto mode's thread-local state, so that a call of a
+class torch_opaque does not route costs two C-level lookups more than stock.
 """
 
 from __future__ import annotations
@@ -33,7 +35,9 @@ from typing import Callable, Optional
 
 import torch
 
-_GLOBAL = "_torch_opaque_route_apply"
+# The globals the trampoline reads, set in torch.autograd.function's namespace.
+_GLOBAL = "_torch_opaque_route_apply"  # route(cls, *args, **kwargs)
+_GLOBALS = (_GLOBAL, "_torch_opaque_original_apply", "_torch_opaque_by_id", "_torch_opaque_auto")
 _APPLY = None  # torch.autograd.Function.apply.__func__, once checked
 
 
@@ -47,7 +51,7 @@ def _target() -> Optional[types.FunctionType]:
         problem = f"torch.autograd.Function.apply is a {type(attr).__name__}, not a classmethod"
     elif func.__code__.co_freevars != ("__class__",):
         problem = f"its code has free variables {func.__code__.co_freevars}, not ('__class__',)"
-    elif _GLOBAL in func.__globals__:
+    elif any(g in func.__globals__ for g in _GLOBALS):
         problem = f"torch.autograd.function already defines {_GLOBAL}"
     if problem:
         warnings.warn(
@@ -63,6 +67,10 @@ def _target() -> Optional[types.FunctionType]:
 class _Template:
     def apply(cls, *args, **kwargs):
         __class__  # noqa: B018  the one free variable Function.apply's code has
+        # Unrouted calls (no OpaqueFunction for cls, not inside auto() in this
+        # thread) go straight to the original code: two C-level lookups.
+        if _torch_opaque_by_id.get(id(cls)) is None and not _torch_opaque_auto.depth:  # noqa: F821
+            return _torch_opaque_original_apply(cls, *args, **kwargs)  # noqa: F821
         return _torch_opaque_route_apply(cls, *args, **kwargs)  # noqa: F821
 
 
@@ -86,17 +94,26 @@ def _copy_original() -> types.FunctionType:
 ORIGINAL_APPLY = _copy_original()
 
 
-def install_apply_route(route: Callable) -> bool:
-    """Make every call of ``Function.apply`` (aliases included) go through
-    ``route(cls, *args, **kwargs)``. Idempotent; False when torch's
-    Function.apply is not as expected (nothing is changed then)."""
+def install_apply_route(route: Callable, by_id: dict, auto_state) -> bool:
+    """Make every call of ``Function.apply`` (aliases included) of a class in
+    ``by_id`` (keyed by ``id(cls)``), or of any class while ``auto_state.depth``
+    is set in the calling thread, go through ``route(cls, *args, **kwargs)``.
+    Idempotent; False when torch's Function.apply is not as expected (nothing
+    is changed then)."""
     global _APPLY
     if _APPLY is not None:
         return True
     func = _target()
     if func is None:
         return False
-    func.__globals__[_GLOBAL] = route
+    func.__globals__.update(
+        {
+            _GLOBAL: route,
+            "_torch_opaque_original_apply": ORIGINAL_APPLY,
+            "_torch_opaque_by_id": by_id,
+            "_torch_opaque_auto": auto_state,
+        }
+    )
     func.__code__ = _TRAMPOLINE
     _APPLY = func
     return True

@@ -60,7 +60,12 @@ from .apply import ORIGINAL_APPLY
 
 log = logging.getLogger("torch_opaque")
 
-_state = threading.local()  # depth, reports (the AutoReports of the open blocks)
+class _State(threading.local):
+    depth = 0  # open auto() blocks in this thread (read by hooks/apply.py's trampoline)
+    reports = None  # their AutoReports
+
+
+_state = _State()
 _FALLEN: "weakref.WeakKeyDictionary[type, str]" = weakref.WeakKeyDictionary()
 _WARNED_TRACE: "weakref.WeakSet[type]" = weakref.WeakSet()
 
@@ -110,11 +115,11 @@ def _cls_name(cls) -> str:
 
 def active() -> bool:
     """Whether the calling thread is inside ``auto()``."""
-    return getattr(_state, "depth", 0) > 0
+    return _state.depth > 0
 
 
 def _reports() -> list:
-    r = getattr(_state, "reports", None)
+    r = _state.reports
     if r is None:
         r = _state.reports = []
     return r
@@ -329,7 +334,7 @@ def auto():
     function.ensure_routing()
     report = AutoReport()
     reports = _reports()
-    _state.depth = getattr(_state, "depth", 0) + 1
+    _state.depth += 1
     reports.append(report)
     try:
         yield report
