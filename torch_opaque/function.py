@@ -439,13 +439,13 @@ def _class_freed(key: int):
 
 def _release_pending() -> None:
     """Release the ops of dead classes that nothing uses any more (under _LOCK)."""
-    keep = []
-    for fn in _PENDING_RELEASE:
+    pending = _PENDING_RELEASE[:]  # a collection during this loop may add more
+    del _PENDING_RELEASE[:]
+    for fn in pending:
         if all(_C.release_op(ov.handle, 1) for ov in fn.overloads.values()):
             _forget(fn)
         else:
-            keep.append(fn)
-    _PENDING_RELEASE[:] = keep
+            _PENDING_RELEASE.append(fn)
 
 
 def _forget(fn: OpaqueFunction) -> None:

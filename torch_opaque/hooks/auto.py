@@ -12,6 +12,7 @@ Example::
     ...     def backward(ctx, g):
     ...         (x,) = ctx.saved_tensors
     ...         return 3 * x ** 2 * g
+    >>> Cube.__module__ = "my_models"  # (a doctest runs inside torch_opaque, which auto() skips)
     >>> class M(torch.nn.Module):
     ...     def forward(self, x):
     ...         return Cube.apply(x) + 1
