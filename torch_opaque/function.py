@@ -393,12 +393,13 @@ def _exact_encoder(runner):
                 _, attrs = decode_state(state, saved, ints)
             except Exception as e:
                 raise UnsupportedError(
-                    f"{runner.fn_name}: ctx state cannot be passed to the backward op ({e})"
+                    f"torch_opaque: {runner.fn_name}: ctx state cannot be passed to the "
+                    f"backward op ({e})"
                 ) from e
             for k, v in ctx.__dict__.items():
                 if type(attrs.get(k)) is not type(v):
                     raise UnsupportedError(
-                        f"{runner.fn_name}: ctx.{k} (a {type(v).__name__}) would reach the "
+                        f"torch_opaque: {runner.fn_name}: ctx.{k} (a {type(v).__name__}) would reach the "
                         f"backward as a {type(attrs.get(k)).__name__}"
                     )
         return state, ints, saved
