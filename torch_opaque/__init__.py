@@ -23,15 +23,15 @@ except ImportError as _e:  # a source checkout that was never built, or a torch 
         f"(`pip install --no-build-isolation .`, or `scripts/dev.sh build` in a checkout), "
         f"with the torch version it was built for."
     ) from _e
-from .auto_mode import auto, export
+from .hooks.auto import AutoReport, auto, export
 from .function import DEFAULT_NAMESPACE, OpaqueFunction, is_wrapped, lookup, op, wrap
 from .errors import FakeForwardError, RegistrationError, SchemaError, UnsupportedError
 from .archive import ArchiveError, OpNotAllowedError, load, save
 from . import passes
 from .training import export_training, training_outputs
-from . import dynamo_hook as _dynamo_hook
 
-_dynamo_hook.install()
+# Importing changes nothing in torch: the first wrap()/op/auto() reroutes
+# Function.apply and arms the Dynamo hook (torch_opaque/hooks/__init__.py).
 
 
 def load_library(path) -> None:
@@ -69,6 +69,7 @@ __all__ = [
     "lookup",
     "is_wrapped",
     "auto",
+    "AutoReport",
     "export",
     "OpaqueFunction",
     "SchemaError",
