@@ -327,6 +327,7 @@ void finish_forward(const std::string& op_name, c10::ArrayRef<c10::IValue> input
   record.materialize_grads = outcome.materialize_grads;
   record.state = std::move(outcome.state);
   record.state_ints = std::move(outcome.state_ints);
+  record.eager_state = std::move(outcome.eager_state);
   stack->emplace_back(std::move(residuals));
   set_forward_record(std::move(record));
 }

@@ -55,7 +55,9 @@ class Runner:
     The real kernel of `_fwd` runs in C++ (Note [Python kernels] in
     csrc/python/python_kernel.h): it reads ``forward``, ``setup_context``,
     ``n_out``, ``no_grad`` and ``convs`` from this object and calls
-    ``convert_args``, ``outputs`` and ``encode_ctx`` for the rare paths.
+    ``convert_args``, ``outputs`` and ``encode_ctx`` for the rare paths. Having
+    ``encode_attrs`` tells it that eager calls may keep ctx attributes as
+    objects (Note [Eager context state] in include/torch_opaque/forward_record.h).
     ``run`` gives Python callers that trace the forward
     (fake kernels, graph passes, stored programs, ONNX) the same C++ run.
     """
@@ -84,6 +86,14 @@ class Runner:
         saved = list(ctx._to_save)
         state, ints = encode_state(self.fn_name, user_attributes(ctx), saved)
         return state, ints, saved
+
+    def encode_attrs(self, attrs: dict, n_saved: int) -> tuple:
+        """(state, state ints, tensors to append to the saved ones) of ctx
+        attributes kept as objects by an eager call whose backward is being
+        traced (Note [Eager context state] in include/torch_opaque/forward_record.h)."""
+        saved = [None] * n_saved
+        state, ints = encode_state(self.fn_name, attrs, saved)
+        return state, ints, saved[n_saved:]
 
     def call_user(self, ctx, args):
         """The user's forward alone (no checks, no record), for learning the outputs."""

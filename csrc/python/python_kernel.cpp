@@ -102,6 +102,37 @@ py::object call_with_first(PyObject* f, PyObject* first, PyObject* rest_tuple) {
                                    nullptr));
 }
 
+// Note [Eager context state] for Python Functions: the ctx's attribute dict,
+// kept as it is. encode() is kernels.Runner.encode_attrs.
+class PyEagerState final : public EagerState {
+ public:
+  PyEagerState(py::object runner, py::object attrs)
+      : runner_(std::move(runner)), attrs_(std::move(attrs)) {}
+  ~PyEagerState() override {
+    if (!Py_IsInitialized()) {  // the interpreter is gone: leak
+      runner_.release();
+      attrs_.release();
+      return;
+    }
+    py::gil_scoped_acquire gil;
+    runner_ = py::object();
+    attrs_ = py::object();
+  }
+  void encode(std::string& state, std::vector<c10::SymInt>& state_ints,
+              std::vector<at::Tensor>& saved) const override {
+    py::gil_scoped_acquire gil;
+    py::tuple enc = runner_.attr("encode_attrs")(attrs_, saved.size());
+    state = enc[0].cast<std::string>();
+    state_ints = enc[1].cast<std::vector<c10::SymInt>>();
+    for (const at::Tensor& t : tensors_of(enc[2].ptr())) saved.push_back(t);
+  }
+  PyObject* attrs() const { return attrs_.ptr(); }
+
+ private:
+  py::object runner_;
+  py::object attrs_;
+};
+
 // What the bridge reads once from a kernels.Runner.
 struct ForwardSpec {
   std::string name;     // the Function's name, for messages
@@ -112,6 +143,10 @@ struct ForwardSpec {
   py::object no_grad;   // needs_input_grad when the call is not recorded
   size_t n_out;
   bool has_convs;
+  // The real kernel keeps ctx attributes as objects (Note [Eager context
+  // state]) when the runner has encode_attrs; Python callers that trace the
+  // forward get them encoded.
+  bool keep_objects = false;
   std::optional<std::vector<Kind>> kinds;
 };
 
@@ -146,7 +181,11 @@ detail::ForwardOutcome call_user_forward(const ForwardSpec& s, py::object args,
 
   if (recording) {
     const ForwardContextView view = view_forward_context(ctx.ptr());
-    if (view.has_attributes) {
+    if (view.has_attributes && s.keep_objects) {
+      outcome.saved = tensors_of(view.to_save);
+      outcome.eager_state = std::make_shared<PyEagerState>(
+          s.runner, py::reinterpret_borrow<py::object>(view.dict));
+    } else if (view.has_attributes) {
       // User attributes: (state, state ints, saved tensors incl. attribute tensors).
       py::tuple enc = s.runner.attr("encode_ctx")(ctx);
       outcome.state = enc[0].cast<std::string>();
@@ -212,14 +251,20 @@ PyObject* optional_tensors_tuple(const std::vector<at::Tensor>& ts) {
   return t;
 }
 
-void run_backward(const BackwardSpec& s, torch::jit::Stack* stack) {
+// `schema`: the `_bwd` schema the kernel runs for, or nullptr for Python
+// callers (which have no eager state).
+void run_backward(const BackwardSpec& s, const c10::FunctionSchema* schema,
+                  torch::jit::Stack* stack) {
   auto [saved, grads, needs, state, state_ints] = detail::pop_backward_args(stack);
+  const EagerState* eager = schema ? current_eager_state(*schema) : nullptr;
 
   py::gil_scoped_acquire gil;
   py::object saved_py = steal(optional_tensors_tuple(saved));
   py::object grads_py = steal(optional_tensors_tuple(grads));
   py::object attrs = py::none();
-  if (!state.empty()) {
+  if (const auto* py_state = dynamic_cast<const PyEagerState*>(eager)) {
+    attrs = py::reinterpret_borrow<py::object>(py_state->attrs());
+  } else if (!state.empty()) {
     py::tuple dec = s.runner.attr("decode_ctx")(state, saved_py, state_ints);
     saved_py = dec[0];
     attrs = dec[1];
@@ -297,6 +342,9 @@ c10::IValue matchable(PyObject* a) {
 
 BoxedKernel make_python_forward(py::object runner) {
   auto* s = new ForwardSpec(forward_spec(runner));
+  // Runners that can encode attributes later (kernels.Runner.encode_attrs)
+  // keep them as objects; others (stored programs) encode them now.
+  s->keep_objects = py::hasattr(runner, "encode_attrs");
   return [s](const c10::FunctionSchema& schema, torch::jit::Stack* stack) {
     run_forward(*s, schema, stack);
   };
@@ -304,7 +352,9 @@ BoxedKernel make_python_forward(py::object runner) {
 
 BoxedKernel make_python_backward(py::object runner) {
   auto* s = new BackwardSpec(backward_spec(runner));
-  return [s](const c10::FunctionSchema&, torch::jit::Stack* stack) { run_backward(*s, stack); };
+  return [s](const c10::FunctionSchema& schema, torch::jit::Stack* stack) {
+    run_backward(*s, &schema, stack);
+  };
 }
 
 py::tuple run_forward_from_python(py::object runner, py::object forward, py::object setup,
@@ -370,7 +420,7 @@ py::list run_backward_from_python(py::object runner, py::object backward, py::ob
   stack.emplace_back(std::move(flags));
   stack.emplace_back(std::move(state));
   stack.emplace_back(c10::SymIntArrayRef(state_ints));
-  run_backward(s, &stack);
+  run_backward(s, nullptr, &stack);
   py::list out;
   for (const auto& g : stack.back().toOptionalTensorList()) {
     std::optional<at::Tensor> t = g;
