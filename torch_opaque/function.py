@@ -95,6 +95,15 @@ class Overload:
             return (out,)
         return out
 
+    def call_primed(self, args, out, ctx):
+        """This call, with the forward's result already known (Note [First call
+        runs forward once])."""
+        _C.set_primed(self.runner, out, ctx)
+        try:
+            return self(args)
+        finally:
+            _C.set_primed(None, None, None)
+
     def direct_entry(self) -> tuple:
         """(qualified name, overload, wrap_single): how DirectApply calls this
         overload (Note [Direct apply] in csrc/python/direct_apply.h)."""
@@ -173,18 +182,25 @@ class OpaqueFunction:
         values = self.bind(args, kwargs)
         ov = self._single
         if ov is None:
-            ov = self._by_kinds.get(kinds_key(values)) or self.overload_for(values)
+            ov = self._by_kinds.get(kinds_key(values))
+        primed = None
+        if ov is None:
+            ov, primed = self._first_call(values)
         if self.direct_apply is not None and not kwargs and len(args) == len(values):
             key = tuple(map(type, args))
             if key not in self.direct_keys and list not in key and tuple not in key:
                 self.direct_keys.add(key)
                 self.direct_apply.add(key, *ov.direct_entry())
+        if primed is not None:
+            return ov.call_primed(values, *primed)
         return ov(values)
 
     # ---- defining overloads ----------------------------------------------------------
 
-    def overload_for(self, values: list) -> Overload:
-        """The overload for these argument values, defining it on first use."""
+    def overload_for(self, values: list, outputs=None) -> Overload:
+        """The overload for these argument values, defining it on first use.
+        `outputs`: what forward returned for them, if it already ran (else the
+        number of outputs comes from the return hint or a fake run)."""
         with _LOCK:
             key = kinds_key(values)
             ov = self._by_kinds.get(key)
@@ -200,15 +216,49 @@ class OpaqueFunction:
                 overload = "_".join(s.token for s in specs) or "noargs"
             ov = self.overloads.get(overload or "default")
             if ov is None:
-                n_out, returns_tuple = returns_from_hint(self.cls.forward) or self._probe(
-                    specs, values
-                )
+                if outputs is not None:
+                    n_out, returns_tuple = _output_structure(self.display_name, outputs)
+                else:
+                    n_out, returns_tuple = returns_from_hint(self.cls.forward) or self._probe(
+                        specs, values
+                    )
                 ov = Overload(self, overload, specs, n_out, returns_tuple)
                 self.overloads[ov.name] = ov
                 if self.hint_specs is not None:
                     self._single = ov
             self._by_kinds[key] = ov
             return ov
+
+    def _first_call(self, values: list) -> tuple:
+        """(overload, primed result or None) for a call whose kinds of arguments
+        have no overload yet.
+
+        Note [First call runs forward once]: an eager call learns the outputs
+        from the user's forward run for real (as the op's kernel would run it:
+        grad mode off, the same needs_input_grad), then hands that result to
+        the kernel, so the forward runs once, as with stock autograd.Function
+        (same RNG draws, same side effects). Traced calls (fake tensors,
+        dispatch modes) and forwards with a return hint do not run it here.
+        """
+        if returns_from_hint(self.cls.forward) is not None or _traced(values):
+            return self.overload_for(values), None
+        needs = tuple(
+            torch.is_grad_enabled() and isinstance(v, torch.Tensor) and v.requires_grad
+            for v in values
+        )
+        if not any(needs):
+            needs = (False,) * len(values)
+        if self.hint_specs is None:  # schema errors before the forward runs
+            names = [f"arg{i}" for i in range(len(values))] if self.varargs else self.arg_names
+            specs_from_values(names, values, self.defaults, self.display_name)
+        from .context import ForwardContext
+
+        ctx = ForwardContext(self.display_name, needs)
+        setup = self.cls.setup_context if self.setup_style else None
+        runner = Runner(self.display_name, self.cls.forward, setup, [], -1)
+        with torch.no_grad():
+            out = runner.call_user(ctx, values)
+        return self.overload_for(values, outputs=out), (out, ctx)
 
     def _probe(self, specs, values) -> tuple:
         """(number of outputs, returns a tuple) by running forward on fake tensors."""
@@ -269,9 +319,27 @@ class OpaqueFunction:
                 out = Runner(self.display_name, self.cls.forward, setup, specs, -1).call_user(
                     ForwardContext(self.display_name, (False,) * len(values)), values
                 )
-        outs = out if isinstance(out, tuple) else (out,)
-        check_tensor_outputs(self.display_name, outs)
-        return len(outs), isinstance(out, tuple)
+        return _output_structure(self.display_name, out)
+
+
+def _output_structure(fn_name: str, out) -> tuple:
+    """(number of outputs, returns a tuple) of what a forward returned."""
+    outs = out if isinstance(out, tuple) else (out,)
+    check_tensor_outputs(fn_name, outs)
+    return len(outs), isinstance(out, tuple)
+
+
+def _traced(values) -> bool:
+    """Whether a call is being traced rather than run: fake or subclass tensor
+    arguments, or an active fake / dispatch mode."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    for v in _flat_tensors(values):
+        if type(v) not in (torch.Tensor, torch.nn.Parameter):
+            return True
+    if _get_current_dispatch_mode() is not None or torch._C._is_torch_function_mode_enabled():
+        return True
+    return torch._guards.detect_fake_mode() is not None
 
 
 def _flat_tensors(values):

@@ -10,7 +10,9 @@
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/jit/python/pybind_utils.h>
 
+#include <memory>
 #include <optional>
+#include <utility>
 #include <string>
 #include <vector>
 
@@ -133,6 +135,33 @@ class PyEagerState final : public EagerState {
   py::object attrs_;
 };
 
+// Note [First call runs forward once]
+// The first eager call of a Function learns the op's outputs by running the
+// user's forward for real (kernels.Runner.prime); the op is then defined and
+// called, and its kernel takes that result from this slot instead of running
+// the forward a second time. The slot belongs to one runner and one
+// needs_input_grad; set_primed(None, ...) clears it.
+struct Primed {
+  py::object runner, out, ctx;
+};
+thread_local Primed* tls_primed = nullptr;
+
+// The primed (out, ctx) of `runner` for a call with these flags, taken out of
+// the slot; false when there is none.
+bool take_primed(const py::object& runner, PyObject* needs, py::object* out, py::object* ctx) {
+  Primed* p = tls_primed;
+  if (p == nullptr || p->runner.ptr() != runner.ptr()) return false;
+  tls_primed = nullptr;
+  std::unique_ptr<Primed> owned(p);
+  py::object flags = p->ctx.attr("needs_input_grad");
+  const int same = PyObject_RichCompareBool(flags.ptr(), needs, Py_EQ);
+  if (same < 0) throw py::error_already_set();
+  if (!same) return false;  // called differently than primed: run the forward
+  *out = std::move(p->out);
+  *ctx = std::move(p->ctx);
+  return true;
+}
+
 // What the bridge reads once from a kernels.Runner.
 struct ForwardSpec {
   std::string name;     // the Function's name, for messages
@@ -154,14 +183,20 @@ struct ForwardSpec {
 // returns what it produced; ctx is read only when `recording`.
 detail::ForwardOutcome call_user_forward(const ForwardSpec& s, py::object args,
                                          py::object needs_py, bool recording) {
-  if (s.has_convs) args = s.runner.attr("convert_args")(args);
-  py::object ctx = steal(new_forward_context(s.fn_name.ptr(), needs_py.ptr()));
+  py::object ctx;
   py::object out;
-  if (s.setup.is_none()) {
-    out = call_with_first(s.forward.ptr(), ctx.ptr(), args.ptr());
-  } else {
-    out = steal(PyObject_Call(s.forward.ptr(), args.ptr(), nullptr));
-    steal(PyObject_CallFunctionObjArgs(s.setup.ptr(), ctx.ptr(), args.ptr(), out.ptr(), nullptr));
+  const bool primed =
+      s.keep_objects && tls_primed && take_primed(s.runner, needs_py.ptr(), &out, &ctx);
+  if (!primed) {  // (primed: Note [First call runs forward once])
+    if (s.has_convs) args = s.runner.attr("convert_args")(args);
+    ctx = steal(new_forward_context(s.fn_name.ptr(), needs_py.ptr()));
+    if (s.setup.is_none()) {
+      out = call_with_first(s.forward.ptr(), ctx.ptr(), args.ptr());
+    } else {
+      out = steal(PyObject_Call(s.forward.ptr(), args.ptr(), nullptr));
+      steal(PyObject_CallFunctionObjArgs(s.setup.ptr(), ctx.ptr(), args.ptr(), out.ptr(),
+                                         nullptr));
+    }
   }
 
   detail::ForwardOutcome outcome;
@@ -335,6 +370,13 @@ c10::IValue matchable(PyObject* a) {
 }
 
 } // namespace
+
+void set_primed(py::object runner, py::object out, py::object ctx) {
+  delete std::exchange(tls_primed, nullptr);
+  if (!runner.is_none()) {
+    tls_primed = new Primed{std::move(runner), std::move(out), std::move(ctx)};
+  }
+}
 
 // Kernels live for the rest of the process (see all_ops()), so the specs and
 // their Python objects are deliberately never released: releasing them at
