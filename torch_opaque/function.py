@@ -33,7 +33,7 @@ from torch.autograd.function import _is_setup_context_defined
 from . import _C
 from .errors import FakeForwardError
 from .kernels import BackwardRunner, FakeRunner, InferenceFake, Runner, check_tensor_outputs
-from .kernels import make_backward_fake
+from .kernels import make_backward_fake, modified_input_error
 from .schema import kinds_key, returns_from_hint, specs_from_hints
 from .schema import specs_from_values
 
@@ -256,8 +256,13 @@ class OpaqueFunction:
         ctx = ForwardContext(self.display_name, needs)
         setup = self.cls.setup_context if self.setup_style else None
         runner = Runner(self.display_name, self.cls.forward, setup, [], -1)
+        versions = [(i, v._version) for i, v in enumerate(values) if isinstance(v, torch.Tensor)]
         with torch.no_grad():
             out = runner.call_user(ctx, values)
+        for i, version in versions:
+            if values[i]._version != version:  # Note [In-place forwards]
+                name = f"arg{i}" if self.varargs else self.arg_names[i]
+                raise modified_input_error(self.display_name, name)
         return self.overload_for(values, outputs=out), (out, ctx)
 
     def _probe(self, specs, values) -> tuple:
@@ -330,14 +335,16 @@ def _output_structure(fn_name: str, out) -> tuple:
 
 
 def _traced(values) -> bool:
-    """Whether a call is being traced rather than run: fake or subclass tensor
-    arguments, or an active fake / dispatch mode."""
+    """Whether a call is being traced or transformed rather than run: fake or
+    subclass tensor arguments, an active fake / dispatch mode, or torch.func."""
     from torch.utils._python_dispatch import _get_current_dispatch_mode
 
     for v in _flat_tensors(values):
         if type(v) not in (torch.Tensor, torch.nn.Parameter):
             return True
     if _get_current_dispatch_mode() is not None or torch._C._is_torch_function_mode_enabled():
+        return True
+    if torch._C._functorch.maybe_current_level() is not None:  # torch.func transforms
         return True
     return torch._guards.detect_fake_mode() is not None
 

@@ -49,6 +49,16 @@ def check_tensor_outputs(fn_name: str, outs: tuple) -> None:
             )
 
 
+def modified_input_error(fn_name: str, arg) -> UnsupportedError:
+    """Note [In-place forwards] (csrc/python/python_kernel.cpp)."""
+    what = f"argument '{arg}'" if isinstance(arg, str) else f"argument {arg}"
+    return UnsupportedError(
+        f"torch_opaque: {fn_name}.forward modified its {what} in place. An opaque op "
+        f"must not mutate its inputs (compiled graphs would compute wrong values): "
+        f"modify a copy (x = x.clone()) and return it, or keep this Function unwrapped."
+    )
+
+
 class Runner:
     """Calls the user's forward with a ForwardContext.
 
@@ -86,6 +96,9 @@ class Runner:
         saved = list(ctx._to_save)
         state, ints = encode_state(self.fn_name, user_attributes(ctx), saved)
         return state, ints, saved
+
+    def _raise_modified_input(self, index: int):
+        raise modified_input_error(self.fn_name, self.specs[index].name if self.specs else index)
 
     def encode_attrs(self, attrs: dict, n_saved: int) -> tuple:
         """(state, state ints, tensors to append to the saved ones) of ctx

@@ -190,12 +190,31 @@ detail::ForwardOutcome call_user_forward(const ForwardSpec& s, py::object args,
   if (!primed) {  // (primed: Note [First call runs forward once])
     if (s.has_convs) args = s.runner.attr("convert_args")(args);
     ctx = steal(new_forward_context(s.fn_name.ptr(), needs_py.ptr()));
+    // Note [In-place forwards]: the user's code runs where ops bump version
+    // counters (below Autograd, above ADInplaceOrView), as stock forwards do;
+    // an argument whose version changed was modified in place, which an op
+    // without a mutable schema must not do.
+    const auto tls = c10::impl::tls_local_dispatch_key_set();
+    c10::impl::ForceDispatchKeyGuard below_autograd(
+        tls.included_, tls.excluded_.remove(c10::DispatchKey::ADInplaceOrView));
+    c10::SmallVector<std::pair<size_t, uint32_t>, 8> versions;
+    const Py_ssize_t n_args = PyTuple_GET_SIZE(args.ptr());
+    for (Py_ssize_t i = 0; i < n_args; ++i) {
+      PyObject* a = PyTuple_GET_ITEM(args.ptr(), i);
+      if (THPVariable_Check(a)) versions.emplace_back(i, THPVariable_Unpack(a)._version());
+    }
     if (s.setup.is_none()) {
       out = call_with_first(s.forward.ptr(), ctx.ptr(), args.ptr());
     } else {
       out = steal(PyObject_Call(s.forward.ptr(), args.ptr(), nullptr));
       steal(PyObject_CallFunctionObjArgs(s.setup.ptr(), ctx.ptr(), args.ptr(), out.ptr(),
                                          nullptr));
+    }
+    for (const auto& [i, v] : versions) {
+      PyObject* a = PyTuple_GET_ITEM(args.ptr(), static_cast<Py_ssize_t>(i));
+      if (THPVariable_Unpack(a)._version() != v) {
+        s.runner.attr("_raise_modified_input")(i);  // raises
+      }
     }
   }
 
