@@ -13,8 +13,9 @@ namespace torch_opaque::detail {
 namespace {
 
 bool aliases_any(const at::Tensor& t, c10::ArrayRef<at::Tensor> others) {
+  if (!t.has_storage()) return false;  // sparse tensors share no storage
   for (const auto& o : others) {
-    if (o.defined() && t.is_alias_of(o)) return true;
+    if (o.defined() && o.has_storage() && t.is_alias_of(o)) return true;
   }
   return false;
 }

@@ -31,11 +31,11 @@ import torch
 from torch.autograd.function import _is_setup_context_defined
 
 from . import _C
-from .errors import FakeForwardError
+from .errors import FakeForwardError, SchemaError
 from .kernels import BackwardRunner, FakeRunner, InferenceFake, Runner, check_tensor_outputs
 from .kernels import make_backward_fake, modified_input_error
 from .schema import kinds_key, returns_from_hint, specs_from_hints
-from .schema import specs_from_values
+from .schema import schema_arguments, specs_from_values
 
 DEFAULT_NAMESPACE = "opaque"
 
@@ -72,15 +72,19 @@ class Overload:
             name, user_fake or forward, setup, specs, n_out, has_user_fake=user_fake is not None
         )
         bwd = BackwardRunner(name, fn.cls.backward, specs)
-        self.handle = _C.define_op(
-            fn.namespace,
-            fn.name,
-            overload,
-            ", ".join(s.decl for s in specs),
-            ["Tensor"] * n_out,
-            self.runner,
-            bwd,
-        )
+        arguments = schema_arguments(specs)
+        try:
+            self.handle = _C.define_op(
+                fn.namespace, fn.name, overload, arguments, ["Tensor"] * n_out, self.runner, bwd
+            )
+        except RuntimeError as e:
+            if "cannot define" not in str(e):
+                raise
+            raise SchemaError(
+                f"torch_opaque: {name}: the schema inferred for its forward ({arguments}) "
+                f"is not one torch accepts ({e}). Change the forward's arguments or their "
+                f"defaults, or keep this Function unwrapped."
+            ) from e
         ns = getattr(torch.ops, fn.namespace)
         self.op = getattr(getattr(ns, fn.name), self.name)
         self.fwd_op = getattr(getattr(ns, fn.name + "_fwd"), self.name)
@@ -256,7 +260,11 @@ class OpaqueFunction:
         ctx = ForwardContext(self.display_name, needs)
         setup = self.cls.setup_context if self.setup_style else None
         runner = Runner(self.display_name, self.cls.forward, setup, [], -1)
-        versions = [(i, v._version) for i, v in enumerate(values) if isinstance(v, torch.Tensor)]
+        versions = [
+            (i, v._version)
+            for i, v in enumerate(values)
+            if isinstance(v, torch.Tensor) and v.layout == torch.strided and not v.is_inference()
+        ]
         with torch.no_grad():
             out = runner.call_user(ctx, values)
         for i, version in versions:

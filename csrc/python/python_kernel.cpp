@@ -5,6 +5,7 @@
 #include <torch_opaque/detail/cpp_kernels.h>
 #include <torch_opaque/forward_record.h>
 
+#include <c10/core/InferenceMode.h>
 #include <c10/util/SmallVector.h>
 #include <torch/csrc/DynamicTypes.h>
 #include <torch/csrc/autograd/python_variable.h>
@@ -194,14 +195,19 @@ detail::ForwardOutcome call_user_forward(const ForwardSpec& s, py::object args,
     // counters (below Autograd, above ADInplaceOrView), as stock forwards do;
     // an argument whose version changed was modified in place, which an op
     // without a mutable schema must not do.
-    const auto tls = c10::impl::tls_local_dispatch_key_set();
-    c10::impl::ForceDispatchKeyGuard below_autograd(
-        tls.included_, tls.excluded_.remove(c10::DispatchKey::ADInplaceOrView));
+    // (Inference mode keeps its own key set; inference tensors and sparse
+    // tensors, which bump versions in some reading ops, are not checked.)
+    const bool inference = c10::InferenceMode::is_enabled();
+    auto tls = c10::impl::tls_local_dispatch_key_set();
+    if (!inference) tls.excluded_ = tls.excluded_.remove(c10::DispatchKey::ADInplaceOrView);
+    c10::impl::ForceDispatchKeyGuard below_autograd(tls);
     c10::SmallVector<std::pair<size_t, uint32_t>, 8> versions;
-    const Py_ssize_t n_args = PyTuple_GET_SIZE(args.ptr());
+    const Py_ssize_t n_args = inference ? 0 : PyTuple_GET_SIZE(args.ptr());
     for (Py_ssize_t i = 0; i < n_args; ++i) {
       PyObject* a = PyTuple_GET_ITEM(args.ptr(), i);
-      if (THPVariable_Check(a)) versions.emplace_back(i, THPVariable_Unpack(a)._version());
+      if (!THPVariable_Check(a)) continue;
+      const at::Tensor& t = THPVariable_Unpack(a);
+      if (t.layout() == c10::kStrided && !t.is_inference()) versions.emplace_back(i, t._version());
     }
     if (s.setup.is_none()) {
       out = call_with_first(s.forward.ptr(), ctx.ptr(), args.ptr());
