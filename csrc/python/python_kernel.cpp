@@ -66,7 +66,7 @@ PyObject* to_python(const c10::IValue& v, Kind kind) {
   return torch::jit::toPyObject(v).release().ptr();
 }
 
-PyObject* bool_tuple(const std::vector<bool>& flags) {
+PyObject* new_bool_tuple(const std::vector<bool>& flags) {
   PyObject* t = PyTuple_New(static_cast<Py_ssize_t>(flags.size()));
   if (!t) throw py::error_already_set();
   for (size_t j = 0; j < flags.size(); ++j) {
@@ -75,6 +75,22 @@ PyObject* bool_tuple(const std::vector<bool>& flags) {
     PyTuple_SET_ITEM(t, static_cast<Py_ssize_t>(j), b);
   }
   return t;
+}
+
+// needs_input_grad as a tuple of bools (new reference). Tuples are immutable,
+// so those of up to 8 flags are made once per pattern and shared: two fewer
+// allocations (and less GC work) per forward+backward.
+PyObject* bool_tuple(const std::vector<bool>& flags) {
+  constexpr size_t kMax = 8;
+  const size_t n = flags.size();
+  if (n > kMax) return new_bool_tuple(flags);
+  static PyObject* cache[kMax + 1][1 << kMax] = {};  // kept for the process
+  size_t bits = 0;
+  for (size_t j = 0; j < n; ++j) bits |= static_cast<size_t>(flags[j]) << j;
+  PyObject*& slot = cache[n][bits];
+  if (!slot) slot = new_bool_tuple(flags);
+  Py_INCREF(slot);
+  return slot;
 }
 
 // A tensor or None from Python (validated by the caller or by ctx).
