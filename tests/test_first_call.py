@@ -118,3 +118,36 @@ def test_schema_error_is_raised_before_the_forward_runs():
     with pytest.raises(torch_opaque.SchemaError, match="argument 'obj' has type object"):
         TakesObject.apply(torch.ones(2), object())
     assert calls == []
+
+
+def test_first_call_in_inference_mode_and_no_grad():
+    for i, mode in enumerate((torch.inference_mode, torch.no_grad)):
+        calls, F = counting_functions("Dropoutish")
+        torch_opaque.wrap(F, name=f"OnceMode{i}")
+        with mode():
+            torch.manual_seed(0)
+            y = F.apply(torch.ones(4), 0.5)
+        torch.manual_seed(0)
+        _, Stock = counting_functions("Dropoutish")
+        with mode():
+            torch.testing.assert_close(y, Stock.apply(torch.ones(4), 0.5))
+        assert calls["n"] == 1
+
+
+def test_forward_reassigned_after_the_first_call_is_not_seen_by_its_overload():
+    # Documented (README, "The first call"): an overload's meaning is fixed once
+    # registered; compiled graphs, exported programs and archives refer to it.
+    class Twice(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x * 2
+
+        @staticmethod
+        def backward(ctx, g):
+            return g * 2
+
+    torch_opaque.wrap(Twice, name="OnceReassigned")
+    x = torch.ones(2)
+    torch.testing.assert_close(Twice.apply(x), x * 2)
+    Twice.forward = staticmethod(lambda ctx, x: x * 3)
+    torch.testing.assert_close(Twice.apply(x), x * 2)
