@@ -79,3 +79,20 @@ def test_returning_an_input_unchanged_still_works_as_in_stock():
         y.sum().backward()
         torch.testing.assert_close(y, x.detach())
         torch.testing.assert_close(x.grad, torch.full((3,), 3.0))
+
+
+def test_in_place_change_of_a_tensor_in_a_list_argument_is_refused():
+    class ZeroesFirst(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, xs):
+            xs[0].zero_()
+            return xs[1] * 2
+
+        @staticmethod
+        def backward(ctx, g):
+            return None
+
+    F = torch_opaque.wrap(ZeroesFirst, name="InPlaceListItem")
+    for _ in range(2):
+        with pytest.raises(UnsupportedError, match="modified its argument 'xs' in place"):
+            F.apply([torch.ones(2), torch.ones(2)])

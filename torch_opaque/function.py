@@ -261,14 +261,15 @@ class OpaqueFunction:
         setup = self.cls.setup_context if self.setup_style else None
         runner = Runner(self.display_name, self.cls.forward, setup, [], -1)
         versions = [
-            (i, v._version)
+            (i, t, t._version)
             for i, v in enumerate(values)
-            if isinstance(v, torch.Tensor) and v.layout == torch.strided and not v.is_inference()
+            for t in (v if type(v) in (list, tuple) else (v,))
+            if isinstance(t, torch.Tensor) and t.layout == torch.strided and not t.is_inference()
         ]
         with torch.no_grad():
             out = runner.call_user(ctx, values)
-        for i, version in versions:
-            if values[i]._version != version:  # Note [In-place forwards]
+        for i, t, version in versions:
+            if t._version != version:  # Note [In-place forwards]
                 name = f"arg{i}" if self.varargs else self.arg_names[i]
                 raise modified_input_error(self.display_name, name)
         return self.overload_for(values, outputs=out), (out, ctx)

@@ -13,6 +13,7 @@
 
 #include <memory>
 #include <optional>
+#include <tuple>
 #include <utility>
 #include <string>
 #include <vector>
@@ -217,13 +218,24 @@ detail::ForwardOutcome call_user_forward(const ForwardSpec& s, py::object args,
     auto tls = c10::impl::tls_local_dispatch_key_set();
     if (!inference) tls.excluded_ = tls.excluded_.remove(c10::DispatchKey::ADInplaceOrView);
     c10::impl::ForceDispatchKeyGuard below_autograd(tls);
-    c10::SmallVector<std::pair<size_t, uint32_t>, 8> versions;
+    // (argument index, tensor, version before); list items count as their argument.
+    c10::SmallVector<std::tuple<size_t, at::Tensor, uint32_t>, 8> versions;
+    auto note = [&](size_t i, PyObject* o) {
+      if (!THPVariable_Check(o)) return;
+      const at::Tensor& t = THPVariable_Unpack(o);
+      if (t.layout() == c10::kStrided && !t.is_inference()) {
+        versions.emplace_back(i, t, t._version());
+      }
+    };
     const Py_ssize_t n_args = inference ? 0 : PyTuple_GET_SIZE(args.ptr());
     for (Py_ssize_t i = 0; i < n_args; ++i) {
       PyObject* a = PyTuple_GET_ITEM(args.ptr(), i);
-      if (!THPVariable_Check(a)) continue;
-      const at::Tensor& t = THPVariable_Unpack(a);
-      if (t.layout() == c10::kStrided && !t.is_inference()) versions.emplace_back(i, t._version());
+      if (PyList_Check(a) || PyTuple_Check(a)) {
+        const Py_ssize_t m = PySequence_Fast_GET_SIZE(a);
+        for (Py_ssize_t j = 0; j < m; ++j) note(i, PySequence_Fast_GET_ITEM(a, j));
+      } else {
+        note(i, a);
+      }
     }
     if (s.setup.is_none()) {
       out = call_with_first(s.forward.ptr(), ctx.ptr(), args.ptr());
@@ -232,11 +244,8 @@ detail::ForwardOutcome call_user_forward(const ForwardSpec& s, py::object args,
       steal(PyObject_CallFunctionObjArgs(s.setup.ptr(), ctx.ptr(), args.ptr(), out.ptr(),
                                          nullptr));
     }
-    for (const auto& [i, v] : versions) {
-      PyObject* a = PyTuple_GET_ITEM(args.ptr(), static_cast<Py_ssize_t>(i));
-      if (THPVariable_Unpack(a)._version() != v) {
-        s.runner.attr("_raise_modified_input")(i);  // raises
-      }
+    for (const auto& [i, t, v] : versions) {
+      if (t._version() != v) s.runner.attr("_raise_modified_input")(i);  // raises
     }
   }
 
