@@ -11,6 +11,7 @@
 #include <torch/csrc/autograd/saved_variable.h>
 #include <ATen/core/grad_mode.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
+#include <c10/core/impl/TorchDispatchModeTLS.h>
 #include <c10/util/SmallVector.h>
 #include <ATen/core/LegacyTypeDispatch.h>
 
@@ -41,7 +42,8 @@ class OpaqueBackward final : public Node {
         edge_args_(std::move(edge_args)),
         materialize_grads_(record.materialize_grads),
         state_(std::move(record.state)),
-        state_ints_(std::move(record.state_ints)) {}
+        state_ints_(std::move(record.state_ints)),
+        eager_state_(std::move(record.eager_state)) {}
 
   std::string name() const override {
     return op_->definition().ns + "::" + op_->definition().name + "Backward";
@@ -74,13 +76,31 @@ class OpaqueBackward final : public Node {
     needs.reserve(needs_input_grad_.size());
     for (bool b : needs_input_grad_) needs.push_back(b);
 
+    // Note [Eager context state]: objects go to the kernel directly, unless
+    // this backward is being traced.
+    const EagerState* eager = eager_state_.get();
+    std::string state = state_;
+    std::vector<c10::SymInt> state_ints = state_ints_;
+    if (eager && !plain_call(saved_list, grad_list)) {
+      std::vector<at::Tensor> all;
+      for (size_t i = 0; i < saved_list.size(); ++i) {
+        std::optional<at::Tensor> t = saved_list.get(i);
+        all.push_back(t.has_value() ? *t : at::Tensor());
+      }
+      const size_t n_saved = all.size();
+      eager->encode(state, state_ints, all);
+      for (size_t i = n_saved; i < all.size(); ++i) saved_list.push_back(all[i]);
+      eager = nullptr;
+    }
+    const c10::FunctionSchema& bwd_schema = op_->backward_op().schema();
+    EagerStateScope scope(eager ? &bwd_schema : nullptr, eager);
     torch::jit::Stack stack;
     stack.reserve(5);
     stack.emplace_back(saved_list);
     stack.emplace_back(grad_list);
     stack.emplace_back(std::move(needs));
-    stack.emplace_back(state_);
-    stack.emplace_back(c10::SymIntArrayRef(state_ints_));
+    stack.emplace_back(std::move(state));
+    stack.emplace_back(c10::SymIntArrayRef(state_ints));
     if (at::GradMode::is_enabled()) {
       op_->backward_op().callBoxed(stack);
     } else {
@@ -126,6 +146,25 @@ class OpaqueBackward final : public Node {
     }
   }
 
+  // Whether `_bwd` reaches its kernel untraced: no Python dispatch mode is
+  // active and no tensor is a subclass, fake or functional tensor.
+  static bool plain_call(const c10::List<std::optional<at::Tensor>>& a,
+                         const c10::List<std::optional<at::Tensor>>& b) {
+    if (c10::impl::TorchDispatchModeTLS::stack_len() > 0) return false;
+    const c10::DispatchKeySet traced(
+        {c10::DispatchKey::Python, c10::DispatchKey::PythonTLSSnapshot,
+         c10::DispatchKey::Functionalize, c10::DispatchKey::FuncTorchDynamicLayerFrontMode,
+         c10::DispatchKey::FuncTorchBatched, c10::DispatchKey::FuncTorchGradWrapper});
+    if (!(c10::impl::tls_local_dispatch_key_set().included_ & traced).empty()) return false;
+    for (const auto& l : {a, b}) {
+      for (size_t i = 0; i < l.size(); ++i) {
+        std::optional<at::Tensor> t = l.get(i);
+        if (t.has_value() && t->defined() && t->key_set().has_any(traced)) return false;
+      }
+    }
+    return true;
+  }
+
   static std::vector<at::Tensor> stack_inputs(
       const c10::List<std::optional<at::Tensor>>& a,
       const c10::List<std::optional<at::Tensor>>& b) {
@@ -152,6 +191,7 @@ class OpaqueBackward final : public Node {
   bool materialize_grads_;
   std::string state_;
   std::vector<c10::SymInt> state_ints_;
+  std::shared_ptr<const EagerState> eager_state_;
   bool released_ = false;
 };
 

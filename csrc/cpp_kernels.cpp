@@ -13,8 +13,9 @@ namespace torch_opaque::detail {
 namespace {
 
 bool aliases_any(const at::Tensor& t, c10::ArrayRef<at::Tensor> others) {
+  if (!t.has_storage()) return false;  // sparse tensors share no storage
   for (const auto& o : others) {
-    if (o.defined() && t.is_alias_of(o)) return true;
+    if (o.defined() && o.has_storage() && t.is_alias_of(o)) return true;
   }
   return false;
 }
@@ -327,6 +328,7 @@ void finish_forward(const std::string& op_name, c10::ArrayRef<c10::IValue> input
   record.materialize_grads = outcome.materialize_grads;
   record.state = std::move(outcome.state);
   record.state_ints = std::move(outcome.state_ints);
+  record.eager_state = std::move(outcome.eager_state);
   stack->emplace_back(std::move(residuals));
   set_forward_record(std::move(record));
 }

@@ -11,7 +11,16 @@ struct ForwardCallState {
   std::optional<ForwardRecord> record;
 };
 thread_local ForwardCallState tls_call;
+struct EagerSlot {
+  const c10::FunctionSchema* schema = nullptr;
+  const EagerState* state = nullptr;
+};
+thread_local EagerSlot tls_eager;
 } // namespace
+
+const EagerState* current_eager_state(const c10::FunctionSchema& bwd_schema) {
+  return tls_eager.schema == &bwd_schema ? tls_eager.state : nullptr;
+}
 
 std::optional<std::vector<bool>> take_needs_input_grad() {
   return std::exchange(tls_call.needs_input_grad, std::nullopt);
@@ -35,6 +44,16 @@ ForwardCallScope::ForwardCallScope(std::optional<std::vector<bool>> needs)
 ForwardCallScope::~ForwardCallScope() {
   tls_call.needs_input_grad = std::move(saved_needs_);
   tls_call.record = std::move(saved_record_);
+}
+
+EagerStateScope::EagerStateScope(const c10::FunctionSchema* bwd_schema,
+                                 const EagerState* state)
+    : saved_schema_(std::exchange(tls_eager.schema, bwd_schema)),
+      saved_state_(std::exchange(tls_eager.state, state)) {}
+
+EagerStateScope::~EagerStateScope() {
+  tls_eager.schema = saved_schema_;
+  tls_eager.state = saved_state_;
 }
 
 std::optional<ForwardRecord> ForwardCallScope::take_record() {

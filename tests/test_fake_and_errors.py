@@ -138,7 +138,7 @@ def test_mark_dirty_is_refused_clearly():
         InPlace.apply(torch.ones(2))
 
 
-def test_unrepresentable_ctx_attribute_is_named():
+def test_unrepresentable_ctx_attribute_is_named_when_traced():
     @torch_opaque.op
     class KeepsObject(torch.autograd.Function):
         @staticmethod
@@ -150,9 +150,14 @@ def test_unrepresentable_ctx_attribute_is_named():
         def backward(ctx, g):
             return g * 2
 
-    with pytest.raises(TypeError, match="ctx.helper holds a object, which cannot be passed"):
-        KeepsObject.apply(torch.ones(2, requires_grad=True))
-    # without autograd nothing has to travel to a backward
+    # eager: the object reaches the backward as it is (test_ctx_exactness.py)
+    x = torch.ones(2, requires_grad=True)
+    KeepsObject.apply(x).sum().backward()
+    torch.testing.assert_close(x.grad, torch.full((2,), 2.0))
+    # a traced training graph would have to carry it: refused, naming the attribute
+    f = torch.compile(KeepsObject.apply, backend="aot_eager", fullgraph=True)
+    with pytest.raises(Exception, match="ctx.helper holds a object, which a traced graph cannot carry"):
+        f(torch.ones(2, requires_grad=True))
     torch.testing.assert_close(KeepsObject.apply(torch.ones(2)), torch.full((2,), 2.0))
 
 

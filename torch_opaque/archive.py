@@ -95,6 +95,7 @@ from .archive_format import (
     read_archive,
 )
 from .ops import opaque_nodes
+from .schema import schema_arguments
 from .stored_ops import _STORED, _define_stored, _store_overload
 
 
@@ -161,7 +162,7 @@ def _overload_entry(rec: _OpRecord, overload: str) -> dict:
     fn = rec.function or _BY_OPNAME.get((ns, name))
     py_ov = fn.overloads.get(overload) if fn is not None else None
     if py_ov is not None:
-        entry["arguments"] = ", ".join(s.decl for s in py_ov.specs)
+        entry["arguments"] = schema_arguments(py_ov.specs)
         entry["tokens"] = [s.token for s in py_ov.specs]
         entry["returns_tuple"] = py_ov.returns_tuple
         entry["n_out"] = py_ov.n_out
@@ -293,13 +294,13 @@ def _define_python_overload(fn, ov_entry: dict, description: str) -> None:
                 )
             specs = specs_from_values(names, values, fn.defaults, fn.display_name)
             name = "_".join(s.token for s in specs) or "noargs"
-        if (name or "default") != overload or ", ".join(s.decl for s in specs) != ov_entry[
+        if (name or "default") != overload or schema_arguments(specs) != ov_entry[
             "arguments"
         ]:
             raise ArchiveError(
                 f"torch_opaque.load: {fn.cls.__module__}.{fn.cls.__qualname__} now defines "
                 f"{fn.namespace}::{fn.name}.{name or 'default'}"
-                f"({', '.join(s.decl for s in specs)}), but {description} was saved with "
+                f"({schema_arguments(specs)}), but {description} was saved with "
                 f"{ov_entry['schema']}; the Function changed since the archive was written."
             )
         ov = F.Overload(fn, name, specs, ov_entry["n_out"], bool(ov_entry.get("returns_tuple")))

@@ -14,6 +14,13 @@ Whatever the forward leaves on ctx must reach the backward through the
   ``SymInt[] state_ints`` argument and are referenced from the literal.
 Values that have no such representation are refused with an error naming the
 attribute.
+
+Eager calls skip all of this: the ctx attribute dict itself goes to the
+backward (Note [Eager context state] in include/torch_opaque/forward_record.h),
+so the backward sees exactly the objects the forward stored, as with stock
+autograd.Function. The encoding runs only when a graph is traced (the fake
+forward, or a backward that is itself being traced), and only then can a value
+be refused.
 """
 
 from __future__ import annotations
@@ -56,6 +63,7 @@ class _Encoder:
         self.ints = ints
 
     def __call__(self, name, v):
+        v = self._plain(name, v)
         if v is None or isinstance(v, (bool, int, float, str)):
             if isinstance(v, float) and v != v:
                 return ("F", "nan")
@@ -74,20 +82,42 @@ class _Encoder:
             return ("V", str(v))
         if isinstance(v, torch.Size):
             return ("Z", tuple(self(name, x) for x in v))
-        if isinstance(v, (list, tuple)):
+        if type(v) in (list, tuple):
             items = tuple(self(name, x) for x in v)
             if any(isinstance(x, tuple) and x and x[0] == "T" for x in items):
                 raise UnsupportedError(
-                    f"{self.fn_name}: ctx.{name} holds tensors inside a "
-                    f"{type(v).__name__}; save them with ctx.save_for_backward(...) instead."
+                    f"torch_opaque: {self.fn_name}: ctx.{name} holds tensors inside a "
+                    f"{type(v).__name__}, which a traced graph cannot carry to the backward "
+                    f"op; save them with ctx.save_for_backward(...) instead."
                 )
             return ("L" if isinstance(v, list) else "U", items)
         raise UnsupportedError(
-            f"{self.fn_name}: ctx.{name} holds a {type(v).__name__}, which cannot be passed "
-            f"to the backward op. Keep tensors in ctx.save_for_backward(...) and other state "
-            f"as int, float, bool, str, None, torch.dtype, torch.device, torch.Size or "
-            f"lists/tuples of those."
+            f"torch_opaque: {self.fn_name}: ctx.{name} holds a {type(v).__name__}, which a "
+            f"traced graph cannot carry to the backward op (eager calls keep it as it is). "
+            f"Keep tensors in ctx.save_for_backward(...) and other state as int, float, "
+            f"bool, str, None, torch.dtype, torch.device, torch.Size or plain lists/tuples "
+            f"of those, or keep this Function unwrapped."
         )
+
+    @staticmethod
+    def _plain(name, v):
+        """Numbers and strings of other types (numpy scalars, IntEnum, float or
+        str subclasses) as the plain Python value they stand for: a traced
+        graph holds them as constants."""
+        t = type(v)
+        if v is None or t in (bool, int, float, str):
+            return v
+        if t.__module__ == "numpy" and hasattr(v, "item") and getattr(v, "ndim", 1) == 0:
+            return v.item()
+        if isinstance(v, bool):
+            return bool(v)
+        if isinstance(v, int) and not isinstance(v, torch.SymInt):
+            return int(v)
+        if isinstance(v, float):
+            return float(v)
+        if isinstance(v, str):
+            return str(v)
+        return v
 
 
 def encode_state(fn_name: str, attrs: dict, saved: list) -> tuple:

@@ -33,12 +33,12 @@ import torch
 from torch.autograd.function import _is_setup_context_defined
 
 from . import _C
-from .errors import FakeForwardError
+from .errors import FakeForwardError, SchemaError
 from .hooks import apply as _apply_hook
 from .kernels import BackwardRunner, FakeRunner, InferenceFake, Runner, check_tensor_outputs
-from .kernels import make_backward_fake
+from .kernels import make_backward_fake, modified_input_error
 from .schema import kinds_key, returns_from_hint, specs_from_hints
-from .schema import specs_from_values
+from .schema import schema_arguments, specs_from_values
 
 DEFAULT_NAMESPACE = "opaque"
 
@@ -93,15 +93,19 @@ class Overload:
             for r in (self.runner, fake_runner):
                 r.encode_ctx = _exact_encoder(r)
         bwd = BackwardRunner(name, backward, specs)
-        self.handle = _C.define_op(
-            fn.namespace,
-            fn.name,
-            overload,
-            ", ".join(s.decl for s in specs),
-            ["Tensor"] * n_out,
-            self.runner,
-            bwd,
-        )
+        arguments = schema_arguments(specs)
+        try:
+            self.handle = _C.define_op(
+                fn.namespace, fn.name, overload, arguments, ["Tensor"] * n_out, self.runner, bwd
+            )
+        except RuntimeError as e:
+            if "cannot define" not in str(e):
+                raise
+            raise SchemaError(
+                f"torch_opaque: {name}: the schema inferred for its forward ({arguments}) "
+                f"is not one torch accepts ({e}). Change the forward's arguments or their "
+                f"defaults, or keep this Function unwrapped."
+            ) from e
         ns = getattr(torch.ops, fn.namespace)
         self.op = getattr(getattr(ns, fn.name), self.name)
         self.fwd_op = getattr(getattr(ns, fn.name + "_fwd"), self.name)
@@ -115,6 +119,15 @@ class Overload:
         if self.returns_tuple and self.n_out == 1:
             return (out,)
         return out
+
+    def call_primed(self, args, out, ctx):
+        """This call, with the forward's result already known (Note [First call
+        runs forward once])."""
+        _C.set_primed(self.runner, out, ctx)
+        try:
+            return self(args)
+        finally:
+            _C.set_primed(None, None, None)
 
     def direct_entry(self) -> tuple:
         """(qualified name, overload, wrap_single): how DirectApply calls this
@@ -211,7 +224,10 @@ class OpaqueFunction:
         values = self.bind(args, kwargs)
         ov = self._single
         if ov is None:
-            ov = self._by_kinds.get(kinds_key(values)) or self.overload_for(values)
+            ov = self._by_kinds.get(kinds_key(values))
+        primed = None
+        if ov is None:
+            ov, primed = self._first_call(values)
         if self.explicit and not kwargs and len(args) == len(values):
             key = tuple(map(type, args))
             if key not in self.direct_keys and list not in key and tuple not in key:
@@ -219,12 +235,16 @@ class OpaqueFunction:
                 if direct is not None:
                     self.direct_keys.add(key)
                     direct.add(key, *ov.direct_entry())
+        if primed is not None:
+            return ov.call_primed(values, *primed)
         return ov(values)
 
     # ---- defining overloads ----------------------------------------------------------
 
-    def overload_for(self, values: list) -> Overload:
+    def overload_for(self, values: list, outputs=None) -> Overload:
         """The overload for these argument values, defining it on first use.
+        `outputs`: what forward returned for them, if it already ran (else the
+        number of outputs comes from the return hint or a fake run).
 
         The output probe runs the user's forward, so it runs without the
         registry lock (a forward may call wrapped Functions from other
@@ -241,9 +261,12 @@ class OpaqueFunction:
             overload = "_".join(s.token for s in specs) or "noargs"
         ov = self.overloads.get(overload or "default")
         if ov is None:
-            n_out, returns_tuple = returns_from_hint(self.cls.forward) or self._probe(
-                specs, values
-            )
+            if outputs is not None:
+                n_out, returns_tuple = _output_structure(self.display_name, outputs)
+            else:
+                n_out, returns_tuple = returns_from_hint(self.cls.forward) or self._probe(
+                    specs, values
+                )
             with _LOCK:
                 ov = self.overloads.get(overload or "default")  # another thread may have won
                 if ov is None:
@@ -253,6 +276,47 @@ class OpaqueFunction:
                         self._single = ov
         self._by_kinds[key] = ov
         return ov
+
+    def _first_call(self, values: list) -> tuple:
+        """(overload, primed result or None) for a call whose kinds of arguments
+        have no overload yet.
+
+        Note [First call runs forward once]: an eager call learns the outputs
+        from the user's forward run for real (as the op's kernel would run it:
+        grad mode off, the same needs_input_grad), then hands that result to
+        the kernel, so the forward runs once, as with stock autograd.Function
+        (same RNG draws, same side effects). Traced calls (fake tensors,
+        dispatch modes) and forwards with a return hint do not run it here.
+        """
+        if returns_from_hint(self.cls.forward) is not None or _traced(values):
+            return self.overload_for(values), None
+        needs = tuple(
+            torch.is_grad_enabled() and isinstance(v, torch.Tensor) and v.requires_grad
+            for v in values
+        )
+        if not any(needs):
+            needs = (False,) * len(values)
+        if self.hint_specs is None:  # schema errors before the forward runs
+            names = [f"arg{i}" for i in range(len(values))] if self.varargs else self.arg_names
+            specs_from_values(names, values, self.defaults, self.display_name)
+        from .context import ForwardContext
+
+        ctx = ForwardContext(self.display_name, needs)
+        setup = self.cls.setup_context if self.setup_style else None
+        runner = Runner(self.display_name, self.cls.forward, setup, [], -1)
+        versions = [
+            (i, t, t._version)
+            for i, v in enumerate(values)
+            for t in (v if type(v) in (list, tuple) else (v,))
+            if isinstance(t, torch.Tensor) and t.layout == torch.strided and not t.is_inference()
+        ]
+        with torch.no_grad():
+            out = runner.call_user(ctx, values)
+        for i, t, version in versions:
+            if t._version != version:  # Note [In-place forwards]
+                name = f"arg{i}" if self.varargs else self.arg_names[i]
+                raise modified_input_error(self.display_name, name)
+        return self.overload_for(values, outputs=out), (out, ctx)
 
     def _probe(self, specs, values) -> tuple:
         """(number of outputs, returns a tuple) by running forward on fake tensors."""
@@ -313,9 +377,29 @@ class OpaqueFunction:
                 out = Runner(self.display_name, self.cls.forward, setup, specs, -1).call_user(
                     ForwardContext(self.display_name, (False,) * len(values)), values
                 )
-        outs = out if isinstance(out, tuple) else (out,)
-        check_tensor_outputs(self.display_name, outs)
-        return len(outs), isinstance(out, tuple)
+        return _output_structure(self.display_name, out)
+
+
+def _output_structure(fn_name: str, out) -> tuple:
+    """(number of outputs, returns a tuple) of what a forward returned."""
+    outs = out if isinstance(out, tuple) else (out,)
+    check_tensor_outputs(fn_name, outs)
+    return len(outs), isinstance(out, tuple)
+
+
+def _traced(values) -> bool:
+    """Whether a call is being traced or transformed rather than run: fake or
+    subclass tensor arguments, an active fake / dispatch mode, or torch.func."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    for v in _flat_tensors(values):
+        if type(v) not in (torch.Tensor, torch.nn.Parameter):
+            return True
+    if _get_current_dispatch_mode() is not None or torch._C._is_torch_function_mode_enabled():
+        return True
+    if torch._C._functorch.maybe_current_level() is not None:  # torch.func transforms
+        return True
+    return torch._guards.detect_fake_mode() is not None
 
 
 def _flat_tensors(values):

@@ -49,13 +49,25 @@ def check_tensor_outputs(fn_name: str, outs: tuple) -> None:
             )
 
 
+def modified_input_error(fn_name: str, arg) -> UnsupportedError:
+    """Note [In-place forwards] (csrc/python/python_kernel.cpp)."""
+    what = f"argument '{arg}'" if isinstance(arg, str) else f"argument {arg}"
+    return UnsupportedError(
+        f"torch_opaque: {fn_name}.forward modified its {what} in place. An opaque op "
+        f"must not mutate its inputs (compiled graphs would compute wrong values): "
+        f"modify a copy (x = x.clone()) and return it, or keep this Function unwrapped."
+    )
+
+
 class Runner:
     """Calls the user's forward with a ForwardContext.
 
     The real kernel of `_fwd` runs in C++ (Note [Python kernels] in
     csrc/python/python_kernel.h): it reads ``forward``, ``setup_context``,
     ``n_out``, ``no_grad`` and ``convs`` from this object and calls
-    ``convert_args``, ``outputs`` and ``encode_ctx`` for the rare paths.
+    ``convert_args``, ``outputs`` and ``encode_ctx`` for the rare paths. Having
+    ``encode_attrs`` tells it that eager calls may keep ctx attributes as
+    objects (Note [Eager context state] in include/torch_opaque/forward_record.h).
     ``run`` gives Python callers that trace the forward
     (fake kernels, graph passes, stored programs, ONNX) the same C++ run.
     """
@@ -84,6 +96,17 @@ class Runner:
         saved = list(ctx._to_save)
         state, ints = encode_state(self.fn_name, user_attributes(ctx), saved)
         return state, ints, saved
+
+    def _raise_modified_input(self, index: int):
+        raise modified_input_error(self.fn_name, self.specs[index].name if self.specs else index)
+
+    def encode_attrs(self, attrs: dict, n_saved: int) -> tuple:
+        """(state, state ints, tensors to append to the saved ones) of ctx
+        attributes kept as objects by an eager call whose backward is being
+        traced (Note [Eager context state] in include/torch_opaque/forward_record.h)."""
+        saved = [None] * n_saved
+        state, ints = encode_state(self.fn_name, attrs, saved)
+        return state, ints, saved[n_saved:]
 
     def call_user(self, ctx, args):
         """The user's forward alone (no checks, no record), for learning the outputs."""

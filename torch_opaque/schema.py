@@ -20,6 +20,7 @@ from __future__ import annotations
 import collections.abc
 import dataclasses
 import inspect
+import math
 import typing
 from typing import Any, Callable, Optional, Sequence
 
@@ -49,25 +50,57 @@ class ArgSpec:
     @property
     def decl(self) -> str:
         text = f"{self.type} {self.name}"
-        literal = _default_literal(self.default)
+        literal = _default_literal(self.default, self.type)
         return text if literal is None else f"{text}={literal}"
 
 
-def _default_literal(value: Any) -> Optional[str]:
+def schema_arguments(specs: Sequence["ArgSpec"]) -> str:
+    """The argument list of an op's schema.
+
+    Defaults the schema can state are shown; Python defaults it cannot (a
+    dtype, a device, an int beyond int64, a string with quotes, a value of
+    another type than the argument's) are left out, and then so are the
+    defaults before them, since a schema argument without a default cannot
+    follow one with a default. apply() fills all of them in from the forward's
+    signature either way.
+    """
+    decls = [f"{s.type} {s.name}" for s in specs]
+    literals = [_default_literal(s.default, s.type) for s in specs]
+    start = 0  # defaults are shown only after the last argument without one
+    for i, lit in enumerate(literals):
+        if lit is None:
+            start = i + 1
+    return ", ".join(
+        d if i < start else f"{d}={literals[i]}" for i, d in enumerate(decls)
+    )
+
+
+_INT64 = (-(2**63), 2**63 - 1)
+
+
+def _default_literal(value: Any, typ: str = "") -> Optional[str]:
+    """The schema literal of a default for an argument of schema type `typ`,
+    or None when the schema cannot state it."""
     if value is inspect.Parameter.empty:
         return None
+    base = typ.rstrip("?")
     if value is None:
-        return "None"
+        return "None" if typ.endswith("?") else None
     if isinstance(value, bool):
-        return "True" if value else "False"
-    if isinstance(value, (int, float)):
-        return repr(value)
-    if isinstance(value, str) and value.isidentifier():
-        return f'"{value}"'
-    if isinstance(value, (list, tuple)) and all(
-        isinstance(v, (int, float)) and not isinstance(v, bool) for v in value
-    ):
-        return "[" + ", ".join(repr(v) for v in value) + "]"
+        return ("True" if value else "False") if base == "bool" else None
+    if type(value) is int:
+        ok = base in ("SymInt", "int", "float") and _INT64[0] <= value <= _INT64[1]
+        return repr(value) if ok else None
+    if type(value) is float:
+        return repr(value) if base == "float" and math.isfinite(value) else None
+    if type(value) is str:
+        ok = base == "str" and value.isprintable() and not any(c in value for c in "\"'")
+        return f'"{value}"' if ok else None
+    if type(value) in (list, tuple) and base.endswith("[]"):
+        elem = base[:-2]
+        lits = [_default_literal(v, elem) for v in value]
+        if elem in ("SymInt", "int", "float") and all(lits):
+            return "[" + ", ".join(lits) + "]"
     return None  # still filled in by apply(); just not shown in the schema
 
 
@@ -106,6 +139,12 @@ def _spec_from_value(fn_name: str, name: str, value: Any, default: Any) -> ArgSp
         return ArgSpec(name, "Tensor", "Tensor", None, default)
     if value is None:
         return ArgSpec(name, "Tensor?", "None", None, default)
+    if type(value) is int and not _INT64[0] <= value <= _INT64[1]:
+        raise SchemaError(
+            f"torch_opaque: {fn_name}: argument '{name}' is the int {value}, beyond the "
+            f"64-bit integers an operator schema carries. Pass it as a float or a str, or "
+            f"keep this Function unwrapped."
+        )
     if type(value) in _SCALARS:
         typ, tok = _SCALARS[type(value)]
         return ArgSpec(name, typ, tok, None, default)
@@ -183,7 +222,12 @@ def _spec_from_hint(fn_name: str, name: str, hint: Any, default: Any) -> ArgSpec
         return ArgSpec(name, typ, typ, conv, default)
     if origin is typing.Union and len(targs) == 2 and type(None) in targs:
         inner = targs[0] if targs[1] is type(None) else targs[1]
-        base = _spec_from_hint(fn_name, name, inner, default)
+        try:
+            base = _spec_from_hint(fn_name, name, inner, default)
+        except SchemaError:
+            # Optional[Callable] and the like: a call may still pass a value a
+            # schema carries (None); infer the schema from the values then.
+            raise _FromValues() from None
         if base.type.endswith("?"):
             return base
         conv = base.convert
@@ -210,10 +254,17 @@ def specs_from_hints(forward: Callable, names: Sequence[str], defaults: dict, fn
         return None
     if not all(n in hints for n in names):
         return None
-    return [
-        _spec_from_hint(fn_name, n, hints[n], defaults.get(n, inspect.Parameter.empty))
-        for n in names
-    ]
+    try:
+        return [
+            _spec_from_hint(fn_name, n, hints[n], defaults.get(n, inspect.Parameter.empty))
+            for n in names
+        ]
+    except _FromValues:
+        return None
+
+
+class _FromValues(Exception):
+    """An annotation no schema carries, whose values may still be carriable."""
 
 
 def returns_from_hint(forward: Callable) -> Optional[tuple]:

@@ -208,12 +208,9 @@ PyObject* make_backward(PyTypeObject* type, PyObject* fn_name, PyObject* saved,
   self->saved_tensors = saved;
   Py_INCREF(needs);
   self->needs_input_grad = needs;
-  if (attrs != Py_None && PyDict_Check(attrs) && PyDict_GET_SIZE(attrs) > 0) {
-    self->dict = PyDict_Copy(attrs);
-    if (!self->dict) {
-      Py_DECREF(self);
-      return nullptr;
-    }
+  if (attrs != Py_None && PyDict_Check(attrs)) {
+    Py_INCREF(attrs);
+    self->dict = attrs;
   }
   return reinterpret_cast<PyObject*>(self);
 }
@@ -322,7 +319,7 @@ PyObject* new_forward_context(PyObject* fn_name, PyObject* needs_input_grad) {
 ForwardContextView view_forward_context(PyObject* ctx) {
   auto* self = reinterpret_cast<ForwardContext*>(ctx);
   return {self->to_save, self->non_diff, self->materialize == Py_True,
-          self->dict != nullptr && PyDict_GET_SIZE(self->dict) > 0};
+          self->dict != nullptr && PyDict_GET_SIZE(self->dict) > 0, self->dict};
 }
 
 PyObject* new_backward_context(PyObject* fn_name, PyObject* saved_tensors,

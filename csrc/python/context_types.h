@@ -24,10 +24,13 @@ struct ForwardContextView {
   PyObject* non_diff;  // tuple of tensors
   bool materialize_grads;
   bool has_attributes;  // user attributes in __dict__
+  PyObject* dict;       // the __dict__ (nullptr when never allocated)
 };
 ForwardContextView view_forward_context(PyObject* ctx);
 
-// A new BackwardContext (new reference); attrs is a dict or None.
+// A new BackwardContext (new reference); attrs is a dict or None. The
+// context uses `attrs` as its __dict__ (not a copy), as autograd.Function's
+// ctx is one object for forward and backward.
 PyObject* new_backward_context(PyObject* fn_name, PyObject* saved_tensors,
                                PyObject* needs_input_grad, PyObject* attrs);
 

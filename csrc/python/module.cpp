@@ -79,6 +79,9 @@ PYBIND11_MODULE(_C, m) {
   m.def("take_registration_errors", &take_registration_errors,
         "Failures recorded by TORCH_OPAQUE_DEF registrations since the last call "
         "(Note [Static registration errors]); the record is emptied.");
+  m.def("set_primed", &set_primed, py::arg("runner"), py::arg("out"), py::arg("ctx"),
+        "Hand the next forward kernel of `runner` on this thread the result of a forward "
+        "already run (Note [First call runs forward once]); None clears it.");
   m.def("set_forward_record", &set_forward_record_py, py::arg("saved"),
         py::arg("non_differentiable"), py::arg("materialize_grads"), py::arg("state"),
         py::arg("state_ints"));

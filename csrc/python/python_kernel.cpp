@@ -5,12 +5,16 @@
 #include <torch_opaque/detail/cpp_kernels.h>
 #include <torch_opaque/forward_record.h>
 
+#include <c10/core/InferenceMode.h>
 #include <c10/util/SmallVector.h>
 #include <torch/csrc/DynamicTypes.h>
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/jit/python/pybind_utils.h>
 
+#include <memory>
 #include <optional>
+#include <tuple>
+#include <utility>
 #include <string>
 #include <vector>
 
@@ -63,7 +67,7 @@ PyObject* to_python(const c10::IValue& v, Kind kind) {
   return torch::jit::toPyObject(v).release().ptr();
 }
 
-PyObject* bool_tuple(const std::vector<bool>& flags) {
+PyObject* new_bool_tuple(const std::vector<bool>& flags) {
   PyObject* t = PyTuple_New(static_cast<Py_ssize_t>(flags.size()));
   if (!t) throw py::error_already_set();
   for (size_t j = 0; j < flags.size(); ++j) {
@@ -72,6 +76,22 @@ PyObject* bool_tuple(const std::vector<bool>& flags) {
     PyTuple_SET_ITEM(t, static_cast<Py_ssize_t>(j), b);
   }
   return t;
+}
+
+// needs_input_grad as a tuple of bools (new reference). Tuples are immutable,
+// so those of up to 8 flags are made once per pattern and shared: two fewer
+// allocations (and less GC work) per forward+backward.
+PyObject* bool_tuple(const std::vector<bool>& flags) {
+  constexpr size_t kMax = 8;
+  const size_t n = flags.size();
+  if (n > kMax) return new_bool_tuple(flags);
+  static PyObject* cache[kMax + 1][1 << kMax] = {};  // kept for the process
+  size_t bits = 0;
+  for (size_t j = 0; j < n; ++j) bits |= static_cast<size_t>(flags[j]) << j;
+  PyObject*& slot = cache[n][bits];
+  if (!slot) slot = new_bool_tuple(flags);
+  Py_INCREF(slot);
+  return slot;
 }
 
 // A tensor or None from Python (validated by the caller or by ctx).
@@ -102,6 +122,64 @@ py::object call_with_first(PyObject* f, PyObject* first, PyObject* rest_tuple) {
                                    nullptr));
 }
 
+// Note [Eager context state] for Python Functions: the ctx's attribute dict,
+// kept as it is. encode() is kernels.Runner.encode_attrs.
+class PyEagerState final : public EagerState {
+ public:
+  PyEagerState(py::object runner, py::object attrs)
+      : runner_(std::move(runner)), attrs_(std::move(attrs)) {}
+  ~PyEagerState() override {
+    if (!Py_IsInitialized()) {  // the interpreter is gone: leak
+      runner_.release();
+      attrs_.release();
+      return;
+    }
+    py::gil_scoped_acquire gil;
+    runner_ = py::object();
+    attrs_ = py::object();
+  }
+  void encode(std::string& state, std::vector<c10::SymInt>& state_ints,
+              std::vector<at::Tensor>& saved) const override {
+    py::gil_scoped_acquire gil;
+    py::tuple enc = runner_.attr("encode_attrs")(attrs_, saved.size());
+    state = enc[0].cast<std::string>();
+    state_ints = enc[1].cast<std::vector<c10::SymInt>>();
+    for (const at::Tensor& t : tensors_of(enc[2].ptr())) saved.push_back(t);
+  }
+  PyObject* attrs() const { return attrs_.ptr(); }
+
+ private:
+  py::object runner_;
+  py::object attrs_;
+};
+
+// Note [First call runs forward once]
+// The first eager call of a Function learns the op's outputs by running the
+// user's forward for real (kernels.Runner.prime); the op is then defined and
+// called, and its kernel takes that result from this slot instead of running
+// the forward a second time. The slot belongs to one runner and one
+// needs_input_grad; set_primed(None, ...) clears it.
+struct Primed {
+  py::object runner, out, ctx;
+};
+thread_local Primed* tls_primed = nullptr;
+
+// The primed (out, ctx) of `runner` for a call with these flags, taken out of
+// the slot; false when there is none.
+bool take_primed(const py::object& runner, PyObject* needs, py::object* out, py::object* ctx) {
+  Primed* p = tls_primed;
+  if (p == nullptr || p->runner.ptr() != runner.ptr()) return false;
+  tls_primed = nullptr;
+  std::unique_ptr<Primed> owned(p);
+  py::object flags = p->ctx.attr("needs_input_grad");
+  const int same = PyObject_RichCompareBool(flags.ptr(), needs, Py_EQ);
+  if (same < 0) throw py::error_already_set();
+  if (!same) return false;  // called differently than primed: run the forward
+  *out = std::move(p->out);
+  *ctx = std::move(p->ctx);
+  return true;
+}
+
 // What the bridge reads once from a kernels.Runner.
 struct ForwardSpec {
   std::string name;     // the Function's name, for messages
@@ -112,6 +190,10 @@ struct ForwardSpec {
   py::object no_grad;   // needs_input_grad when the call is not recorded
   size_t n_out;
   bool has_convs;
+  // The real kernel keeps ctx attributes as objects (Note [Eager context
+  // state]) when the runner has encode_attrs; Python callers that trace the
+  // forward get them encoded.
+  bool keep_objects = false;
   std::optional<std::vector<Kind>> kinds;
 };
 
@@ -119,14 +201,52 @@ struct ForwardSpec {
 // returns what it produced; ctx is read only when `recording`.
 detail::ForwardOutcome call_user_forward(const ForwardSpec& s, py::object args,
                                          py::object needs_py, bool recording) {
-  if (s.has_convs) args = s.runner.attr("convert_args")(args);
-  py::object ctx = steal(new_forward_context(s.fn_name.ptr(), needs_py.ptr()));
+  py::object ctx;
   py::object out;
-  if (s.setup.is_none()) {
-    out = call_with_first(s.forward.ptr(), ctx.ptr(), args.ptr());
-  } else {
-    out = steal(PyObject_Call(s.forward.ptr(), args.ptr(), nullptr));
-    steal(PyObject_CallFunctionObjArgs(s.setup.ptr(), ctx.ptr(), args.ptr(), out.ptr(), nullptr));
+  const bool primed =
+      s.keep_objects && tls_primed && take_primed(s.runner, needs_py.ptr(), &out, &ctx);
+  if (!primed) {  // (primed: Note [First call runs forward once])
+    if (s.has_convs) args = s.runner.attr("convert_args")(args);
+    ctx = steal(new_forward_context(s.fn_name.ptr(), needs_py.ptr()));
+    // Note [In-place forwards]: the user's code runs where ops bump version
+    // counters (below Autograd, above ADInplaceOrView), as stock forwards do;
+    // an argument whose version changed was modified in place, which an op
+    // without a mutable schema must not do.
+    // (Inference mode keeps its own key set; inference tensors and sparse
+    // tensors, which bump versions in some reading ops, are not checked.)
+    const bool inference = c10::InferenceMode::is_enabled();
+    auto tls = c10::impl::tls_local_dispatch_key_set();
+    if (!inference) tls.excluded_ = tls.excluded_.remove(c10::DispatchKey::ADInplaceOrView);
+    c10::impl::ForceDispatchKeyGuard below_autograd(tls);
+    // (argument index, tensor, version before); list items count as their argument.
+    c10::SmallVector<std::tuple<size_t, at::Tensor, uint32_t>, 8> versions;
+    auto note = [&](size_t i, PyObject* o) {
+      if (!THPVariable_Check(o)) return;
+      const at::Tensor& t = THPVariable_Unpack(o);
+      if (t.layout() == c10::kStrided && !t.is_inference()) {
+        versions.emplace_back(i, t, t._version());
+      }
+    };
+    const Py_ssize_t n_args = inference ? 0 : PyTuple_GET_SIZE(args.ptr());
+    for (Py_ssize_t i = 0; i < n_args; ++i) {
+      PyObject* a = PyTuple_GET_ITEM(args.ptr(), i);
+      if (PyList_Check(a) || PyTuple_Check(a)) {
+        const Py_ssize_t m = PySequence_Fast_GET_SIZE(a);
+        for (Py_ssize_t j = 0; j < m; ++j) note(i, PySequence_Fast_GET_ITEM(a, j));
+      } else {
+        note(i, a);
+      }
+    }
+    if (s.setup.is_none()) {
+      out = call_with_first(s.forward.ptr(), ctx.ptr(), args.ptr());
+    } else {
+      out = steal(PyObject_Call(s.forward.ptr(), args.ptr(), nullptr));
+      steal(PyObject_CallFunctionObjArgs(s.setup.ptr(), ctx.ptr(), args.ptr(), out.ptr(),
+                                         nullptr));
+    }
+    for (const auto& [i, t, v] : versions) {
+      if (t._version() != v) s.runner.attr("_raise_modified_input")(i);  // raises
+    }
   }
 
   detail::ForwardOutcome outcome;
@@ -146,7 +266,11 @@ detail::ForwardOutcome call_user_forward(const ForwardSpec& s, py::object args,
 
   if (recording) {
     const ForwardContextView view = view_forward_context(ctx.ptr());
-    if (view.has_attributes) {
+    if (view.has_attributes && s.keep_objects) {
+      outcome.saved = tensors_of(view.to_save);
+      outcome.eager_state = std::make_shared<PyEagerState>(
+          s.runner, py::reinterpret_borrow<py::object>(view.dict));
+    } else if (view.has_attributes) {
       // User attributes: (state, state ints, saved tensors incl. attribute tensors).
       py::tuple enc = s.runner.attr("encode_ctx")(ctx);
       outcome.state = enc[0].cast<std::string>();
@@ -212,14 +336,20 @@ PyObject* optional_tensors_tuple(const std::vector<at::Tensor>& ts) {
   return t;
 }
 
-void run_backward(const BackwardSpec& s, torch::jit::Stack* stack) {
+// `schema`: the `_bwd` schema the kernel runs for, or nullptr for Python
+// callers (which have no eager state).
+void run_backward(const BackwardSpec& s, const c10::FunctionSchema* schema,
+                  torch::jit::Stack* stack) {
   auto [saved, grads, needs, state, state_ints] = detail::pop_backward_args(stack);
+  const EagerState* eager = schema ? current_eager_state(*schema) : nullptr;
 
   py::gil_scoped_acquire gil;
   py::object saved_py = steal(optional_tensors_tuple(saved));
   py::object grads_py = steal(optional_tensors_tuple(grads));
   py::object attrs = py::none();
-  if (!state.empty()) {
+  if (const auto* py_state = dynamic_cast<const PyEagerState*>(eager)) {
+    attrs = py::reinterpret_borrow<py::object>(py_state->attrs());
+  } else if (!state.empty()) {
     py::tuple dec = s.runner.attr("decode_ctx")(state, saved_py, state_ints);
     saved_py = dec[0];
     attrs = dec[1];
@@ -291,6 +421,13 @@ c10::IValue matchable(PyObject* a) {
 
 } // namespace
 
+void set_primed(py::object runner, py::object out, py::object ctx) {
+  delete std::exchange(tls_primed, nullptr);
+  if (!runner.is_none()) {
+    tls_primed = new Primed{std::move(runner), std::move(out), std::move(ctx)};
+  }
+}
+
 // The specs hold Python objects, so they are deleted with the GIL held. Most
 // kernels live for the rest of the process (see all_ops()); those of a
 // released op (release_op, called from Python) go when it does. At exit the
@@ -306,6 +443,9 @@ std::shared_ptr<Spec> python_owned(Spec spec) {
 
 BoxedKernel make_python_forward(py::object runner) {
   auto s = python_owned(forward_spec(runner));
+  // Runners that can encode attributes later (kernels.Runner.encode_attrs)
+  // keep them as objects; others (stored programs) encode them now.
+  s->keep_objects = py::hasattr(runner, "encode_attrs");
   return [s](const c10::FunctionSchema& schema, torch::jit::Stack* stack) {
     run_forward(*s, schema, stack);
   };
@@ -313,7 +453,9 @@ BoxedKernel make_python_forward(py::object runner) {
 
 BoxedKernel make_python_backward(py::object runner) {
   auto s = python_owned(backward_spec(runner));
-  return [s](const c10::FunctionSchema&, torch::jit::Stack* stack) { run_backward(*s, stack); };
+  return [s](const c10::FunctionSchema& schema, torch::jit::Stack* stack) {
+    run_backward(*s, &schema, stack);
+  };
 }
 
 py::tuple run_forward_from_python(py::object runner, py::object forward, py::object setup,
@@ -379,7 +521,7 @@ py::list run_backward_from_python(py::object runner, py::object backward, py::ob
   stack.emplace_back(std::move(flags));
   stack.emplace_back(std::move(state));
   stack.emplace_back(c10::SymIntArrayRef(state_ints));
-  run_backward(s, &stack);
+  run_backward(s, nullptr, &stack);
   py::list out;
   for (const auto& g : stack.back().toOptionalTensorList()) {
     std::optional<at::Tensor> t = g;

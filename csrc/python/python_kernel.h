@@ -45,4 +45,10 @@ pybind11::list run_backward_from_python(pybind11::object runner, pybind11::objec
                                         pybind11::object needs, std::string state,
                                         std::vector<c10::SymInt> state_ints);
 
+// Note [First call runs forward once] (python_kernel.cpp): the next forward
+// kernel of `runner` on this thread uses (out, ctx) instead of calling the
+// forward, if its needs_input_grad equals ctx.needs_input_grad. A None
+// runner clears the slot.
+void set_primed(pybind11::object runner, pybind11::object out, pybind11::object ctx);
+
 } // namespace torch_opaque::python

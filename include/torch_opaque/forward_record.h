@@ -14,9 +14,12 @@
 // state becomes the `str state` and `SymInt[] state_ints` arguments of
 // `ns::Name_bwd`, so a traced backward carries it as constants and symbols.
 
+#include <ATen/core/Tensor.h>
+#include <ATen/core/function_schema.h>
 #include <c10/core/SymInt.h>
 
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
@@ -38,6 +41,25 @@ struct SavedRef {
   int64_t item = 0;
 };
 
+// Note [Eager context state]
+// A forward written in another language (the Python bridge) may keep its
+// non-tensor context state as that language's objects instead of encoding
+// it into `state`: eager calls then hand the backward exactly what the
+// forward stored, at no encoding cost. The backward node owns the object and
+// passes it to the `_bwd` kernel through a thread-local slot
+// (current_eager_state) when it calls `_bwd` on plain tensors with no
+// dispatch mode active; when the backward is being traced (fake or
+// functional tensors, a Python dispatch mode), it calls encode() instead, so
+// the traced graph carries the state as `_bwd` arguments.
+class EagerState {
+ public:
+  virtual ~EagerState() = default;
+  // The state as `_bwd` arguments. `saved` holds the saved tensors; tensors
+  // the state holds are appended to it.
+  virtual void encode(std::string& state, std::vector<c10::SymInt>& state_ints,
+                      std::vector<at::Tensor>& saved) const = 0;
+};
+
 struct ForwardRecord {
   std::vector<SavedRef> saved;
   // One entry per output; empty means "all differentiable".
@@ -45,6 +67,8 @@ struct ForwardRecord {
   bool materialize_grads = true;
   std::string state;
   std::vector<c10::SymInt> state_ints;
+  // Set instead of `state` by forwards that keep their state as objects.
+  std::shared_ptr<const EagerState> eager_state;
 };
 
 // Called by a forward kernel: takes (and clears) the per-argument
@@ -55,7 +79,26 @@ std::optional<std::vector<bool>> take_needs_input_grad();
 // Called by a forward kernel that was given needs_input_grad flags.
 void set_forward_record(ForwardRecord record);
 
+// Called by a `_bwd` kernel: the eager state its node passed for this call
+// (nullptr when there is none: the state is in the `state` argument).
+// `bwd_schema` is the schema the kernel was called for (the slot belongs to
+// one `_bwd` op).
+const EagerState* current_eager_state(const c10::FunctionSchema& bwd_schema);
+
 namespace detail {
+// Used by the backward node around a `_bwd` call (Note [Eager context state]).
+class EagerStateScope {
+ public:
+  EagerStateScope(const c10::FunctionSchema* bwd_schema, const EagerState* state);
+  ~EagerStateScope();
+  EagerStateScope(const EagerStateScope&) = delete;
+  EagerStateScope& operator=(const EagerStateScope&) = delete;
+
+ private:
+  const c10::FunctionSchema* saved_schema_;
+  const EagerState* saved_state_;
+};
+
 // Used by the `_fwd` kernel wrapper (Note [needs_input_grad of _fwd]).
 void set_needs_input_grad(std::optional<std::vector<bool>> needs);
 

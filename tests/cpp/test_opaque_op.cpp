@@ -269,3 +269,70 @@ TEST(OpaqueOp, WrongGradientCountIsAClearError) {
         << e.what();
   }
 }
+
+namespace {
+
+// Note [Eager context state]: a forward that keeps its state as an object.
+struct ScaleState final : torch_opaque::EagerState {
+  explicit ScaleState(double s, std::atomic<int>* encodes) : scale(s), encodes(encodes) {}
+  void encode(std::string& state, std::vector<c10::SymInt>&,
+              std::vector<at::Tensor>&) const override {
+    ++*encodes;
+    state = std::to_string(scale);
+  }
+  double scale;
+  std::atomic<int>* encodes;
+};
+
+OpDefinition eager_state_definition(const std::string& name, std::atomic<int>* encodes,
+                                    int* seen_objects) {
+  OpDefinition def = scaled_sin_definition(name);
+  def.forward = [encodes](const c10::FunctionSchema&, torch::jit::Stack* s) {
+    double scale = s->back().toDouble();
+    at::Tensor x = (*s)[s->size() - 2].toTensor();
+    torch::jit::drop(*s, 2);
+    s->emplace_back(at::sin(x) * scale);
+    s->emplace_back(c10::List<at::Tensor>());
+    if (torch_opaque::take_needs_input_grad()) {
+      ForwardRecord r;
+      r.saved = {{SavedKind::Input, 0, 0}};
+      r.eager_state = std::make_shared<ScaleState>(scale, encodes);
+      torch_opaque::set_forward_record(std::move(r));
+    }
+  };
+  def.backward = [seen_objects](const c10::FunctionSchema& schema, torch::jit::Stack* s) {
+    const auto* obj =
+        dynamic_cast<const ScaleState*>(torch_opaque::current_eager_state(schema));
+    std::string state = (*s)[3].toStringRef();
+    auto grads = (*s)[1].toOptionalTensorList();
+    auto saved = (*s)[0].toOptionalTensorList();
+    torch::jit::drop(*s, 5);
+    double scale = obj ? obj->scale : std::stod(state);
+    if (obj) ++*seen_objects;
+    c10::List<std::optional<at::Tensor>> out;
+    out.push_back(*grads.get(0) * at::cos(*saved.get(0)) * scale);
+    out.push_back(std::nullopt);
+    s->emplace_back(std::move(out));
+  };
+  return def;
+}
+
+} // namespace
+
+TEST(OpaqueOp, EagerStateReachesTheBackwardKernelUnencoded) {
+  const std::string name = unique_name("eager_state");
+  std::atomic<int> encodes{0};
+  int seen_objects = 0;
+  torch_opaque::define_op(eager_state_definition(name, &encodes, &seen_objects));
+  auto op = c10::Dispatcher::singleton().findSchemaOrThrow(("opaque_test::" + name).c_str(), "");
+  at::Tensor x = torch::randn({4}, torch::requires_grad());
+  at::Tensor y = op.typed<at::Tensor(const at::Tensor&, double)>().call(x, 1.5);
+  y.sum().backward();
+  EXPECT_TRUE(torch::allclose(x.grad(), x.detach().cos() * 1.5));
+  EXPECT_EQ(seen_objects, 1);
+  EXPECT_EQ(encodes.load(), 0);
+  // Outside the backward node's call, no `_bwd` kernel sees the object.
+  auto bwd = c10::Dispatcher::singleton().findSchemaOrThrow(
+      ("opaque_test::" + name + "_bwd").c_str(), "");
+  EXPECT_EQ(torch_opaque::current_eager_state(bwd.schema()), nullptr);
+}

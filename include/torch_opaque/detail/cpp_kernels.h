@@ -23,6 +23,7 @@ struct ForwardOutcome {
   bool materialize_grads = true;
   std::string state;  // Note [saved_data encoding], or Python's (context.py)
   std::vector<c10::SymInt> state_ints;
+  std::shared_ptr<const EagerState> eager_state;  // Note [Eager context state]
 };
 
 // Note [One forward finisher]
