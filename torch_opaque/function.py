@@ -277,6 +277,26 @@ class OpaqueFunction:
         self._by_kinds[key] = ov
         return ov
 
+    def define_from_hints(self) -> Optional[Overload]:
+        """Note [Registered at decoration]: a Function whose forward arguments
+        and return are all annotated has one schema, known without a call, so
+        its op is defined when the class is wrapped. Importing the module that
+        defines it then registers the op, and ``torch.export.load`` of a program
+        calling it works in a fresh process. Others are defined by their first
+        call of each kind of arguments (None here)."""
+        if self.hint_specs is None:
+            return None
+        returns = returns_from_hint(self.cls.forward)
+        if returns is None:
+            return None
+        with _LOCK:
+            ov = self.overloads.get("default")
+            if ov is None:
+                ov = Overload(self, "", self.hint_specs, *returns)
+                self.overloads[ov.name] = ov
+                self._single = ov
+        return ov
+
     def _first_call(self, values: list) -> tuple:
         """(overload, primed result or None) for a call whose kinds of arguments
         have no overload yet.
@@ -627,6 +647,8 @@ def wrap(
         _BY_OPNAME[(namespace, op_name)] = fn
         if _patch_apply:
             cls.apply = classmethod(_make_apply(cls, fn))
+    if _patch_apply:
+        fn.define_from_hints()
     return cls
 
 
