@@ -202,8 +202,8 @@ class Manifest:
 
     def to_json(self) -> str:
         d = {
-            "format": self.format,
-            "version": self.version,
+            "format": FORMAT,
+            "version": VERSION,  # what this code writes, whatever version was read
             "torch_version": self.torch_version,
             "torch_opaque_version": self.torch_opaque_version,
             "self_contained": self.self_contained,
