@@ -159,6 +159,16 @@ def corpus(base, d, marker) -> list:
     C.rewrite(net, p, C.edit_json("/models/model.json", evil_expr))
     case("graph: code in a symbolic expression", p, ALLOW, ("ArchiveError", "not plain arithmetic"))
 
+    def evil_guard(model):
+        model["guards_code"] = [f"__import__('builtins').open({str(marker)!r}, 'w') is None"]
+
+    p = d / "guard.pt2"
+    C.rewrite(net, p, C.edit_json("/models/model.json", evil_guard))
+    case("graph: code in a guard", p, ALLOW, ("ArchiveError", "not a plain check of input sizes"))
+    p = d / "sc_inner_guard.pt2"
+    C.edit_stored_program(sc, p, "fwd", C.edit_json("/models/model.json", evil_guard))
+    case("stored program: code in a guard", p, {}, ("ArchiveError", "not a plain check of input sizes"))
+
     # -- zip bombs, one per entry kind (1 GiB of spaces each), and lying headers
     for label, suffix, src, opts in (
         ("manifest", MANIFEST, net, ALLOW),

@@ -10,7 +10,7 @@ import torch
 
 import torch_opaque
 from torch_opaque.archive.manifest import SAVED_KINDS, VERSION, parse_manifest
-from torch_opaque.archive.program import check_sym_expr
+from torch_opaque.archive.program import check_guard, check_sym_expr
 from torch_opaque.archive.values import decode_value, encode_value
 from torch_opaque.archive.zipio import ArchiveLimits, ZipReader, bad_name
 from torch_opaque.errors import ArchiveError, TorchOpaqueError
@@ -166,3 +166,21 @@ def test_errors_share_one_base():
         assert issubclass(cls, TorchOpaqueError)
     assert issubclass(torch_opaque.ArchiveError, RuntimeError)
     assert issubclass(torch_opaque.SchemaError, TypeError)
+
+
+@pytest.mark.parametrize(
+    "guard, why",
+    [
+        ("L['x'].size()[0] > 3", None),
+        ("L['x'].size()[0] == L['y'].size()[0]", None),
+        ("2 <= L['x'].size()[0] and L['x'].stride()[1] == 1", None),
+        ("__import__('os').system('x')", "unknown name '__import__'"),
+        ("L['x'].__class__", "attribute '__class__'"),
+        ("L['x'].size(*()) > 1", ""),
+        ("(lambda: 1)()", "a call that is not a size query"),
+        ("L['x\"); import os; (\"'].size()[0] > 1", "not an input name"),
+    ],
+)
+def test_guards(guard, why):
+    got = check_guard(guard)
+    assert got == why if why is None else why in got, got

@@ -13,7 +13,9 @@ the archive itself, following the layout written by torch/export/pt2_archive:
   it, every call target must be an operator (``torch.ops.ns.name.overload``)
   or one of the symbolic-size operators torch serializes, and every symbolic
   expression must consist of numbers, operators, size symbols and the known
-  sympy functions (so evaluating it can reach nothing else). After
+  sympy functions (so evaluating it can reach nothing else), and every guard
+  (``guards_code``, which ``ExportedProgram.module()`` exec()s) must be a
+  comparison of input sizes (``L['x'].size()[0] > 3``). After
   deserialization every call is checked again to be an OpOverload, a
   HigherOrderOperator or a symbolic-size operator;
 * weights and tensor constants are rebuilt from their raw bytes and the tensor
@@ -31,6 +33,7 @@ within its size limit (Note [Size limits]).
 
 from __future__ import annotations
 
+import ast
 import io
 import json
 import operator
@@ -114,12 +117,64 @@ def check_sym_expr(expr: str) -> Optional[str]:
     return None
 
 
+# ---- guards ----------------------------------------------------------------------------------
+
+# ExportedProgram.module() turns the program's guards_code into Python source
+# and exec()s it; each guard must be a comparison of input sizes.
+_GUARD_METHODS = {"size", "stride", "storage_offset", "dim", "numel"}
+_GUARD_FUNCS = {"Max", "Min", "abs", "int", "float", "bool"}
+_GUARD_NODES = (
+    ast.Expression, ast.Compare, ast.BoolOp, ast.UnaryOp, ast.BinOp, ast.Constant, ast.Subscript,
+    ast.Call, ast.Name, ast.Attribute, ast.Load, ast.And, ast.Or, ast.Not, ast.USub, ast.UAdd,
+    ast.Add, ast.Sub, ast.Mult, ast.Div, ast.FloorDiv, ast.Mod, ast.Pow, ast.Eq, ast.NotEq,
+    ast.Lt, ast.LtE, ast.Gt, ast.GtE,
+)  # fmt: skip
+
+
+def check_guard(code) -> Optional[str]:
+    """Why a serialized guard is not a plain check of input sizes, or None."""
+    if not isinstance(code, str) or len(code) > 10_000:
+        return "it is not a short string"
+    try:
+        tree = ast.parse(code, mode="eval")
+    except (SyntaxError, ValueError, RecursionError) as e:
+        return f"it does not parse ({type(e).__name__})"
+    for node in ast.walk(tree):
+        if not isinstance(node, _GUARD_NODES):
+            return f"{type(node).__name__} is not allowed"
+        if isinstance(node, ast.Name) and node.id != "L" and node.id not in _GUARD_FUNCS:
+            return f"unknown name {node.id!r}"
+        if isinstance(node, ast.Constant) and not isinstance(node.value, (int, float, str)):
+            return f"constant {node.value!r} is not allowed"
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and not re.match(r"^[A-Za-z_][A-Za-z0-9_]*$", node.value):
+            return f"key {node.value!r} is not an input name"
+        if isinstance(node, ast.Attribute) and node.attr not in _GUARD_METHODS:
+            return f"attribute {node.attr!r} is not allowed"
+        if isinstance(node, ast.Call):
+            f = node.func
+            if node.keywords or not (
+                (isinstance(f, ast.Attribute) and f.attr in _GUARD_METHODS and len(node.args) <= 1)
+                or (isinstance(f, ast.Name) and f.id in _GUARD_FUNCS)
+            ):
+                return "a call that is not a size query"
+    return None
+
+
 # ---- the model JSON ------------------------------------------------------------------------
 
 
 def check_model_json(model, where: str, description: str, rename: dict) -> None:
     """Refuses call targets and expressions that are not plain operators or
     arithmetic; renames targets (Note [Stored ops beside real ones]) in place."""
+    guards = model.get("guards_code") if isinstance(model, dict) else None
+    for g in guards or []:
+        why = check_guard(g)
+        if why is not None:
+            raise ArchiveError(
+                f"torch_opaque.load: {where} in {description} has the guard {str(g)[:80]!r}, "
+                f"which is not a plain check of input sizes ({why}); torch would run it as "
+                f"Python code. The archive was crafted; it is not loaded."
+            )
     stack = [model]
     while stack:
         o = stack.pop()
