@@ -115,8 +115,7 @@ def test_symbolic_expressions_torch_writes_are_accepted(expr):
 @pytest.mark.parametrize(
     "expr, why",
     [
-        ("__import__('os').system('x')", "a call that is not a size query"),
-        ("L['x'].size()[0] > os", "unknown name 'os'"),
+        ("__import__('os').system('x')", "unknown name '__import__'"),
         ("Symbol('s0').__class__", "unexpected '.__class__'"),
         ("open('x', 'w')", "unknown name 'open'"),
         ("Symbol('a b')", "unexpected"),
