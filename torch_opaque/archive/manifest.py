@@ -25,7 +25,7 @@ from typing import Any, Optional
 import torch
 
 from ..errors import ArchiveError
-from .values import decode_value
+from .values import DTYPES, decode_value
 
 MANIFEST = "torch_opaque.json"
 PROGRAM_PREFIX = "torch_opaque.program."
@@ -298,16 +298,10 @@ def _tensor_sig(v, f) -> TensorSig:
         return None if x is None else dim(x, g)
 
     return TensorSig(
-        dtype=o.get("dtype", _one_of(tuple(_dtypes()))),
+        dtype=o.get("dtype", _one_of(tuple(DTYPES))),
         shape=o.get("shape", _list(size, 64)),
         device=o.get("device", _str(re.compile(r"^[a-z]+(:[0-9]{1,4})?$"), 32)),
     )
-
-
-def _dtypes():
-    from .values import DTYPES
-
-    return DTYPES
 
 
 def _arg(v, f) -> ArgRecord:

@@ -34,6 +34,7 @@ within its size limit (Note [Size limits]).
 from __future__ import annotations
 
 import ast
+import dataclasses
 import io
 import json
 import operator
@@ -420,7 +421,9 @@ def deserialize(model_json, tensors: tuple, description: str, where: str, rename
 def program_from_bytes(data: bytes, description: str, where: str, limits, rename: dict):
     """A program stored inside a self-contained archive (a whole pt2 archive in
     bytes), read the same way: no sample inputs, no pickles."""
-    with ZipReader(io.BytesIO(data), f"{where} in {description}", limits) as z:
+    # a stored program's own graph is bounded by the limit of stored programs
+    inner = dataclasses.replace(limits, model=min(limits.model, limits.program), metadata=limits.program * 4)
+    with ZipReader(io.BytesIO(data), f"{where} in {description}", inner) as z:
         root = archive_root(z)
         names = model_names(z, root)
         if names != ["model"]:

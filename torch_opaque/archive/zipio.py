@@ -47,10 +47,11 @@ class ArchiveLimits:
     """
 
     manifest: int = 16 * MiB  # extra/torch_opaque.json
-    model: int = 512 * MiB  # models/<name>.json (the serialized graph), and its configs
+    model: int = 256 * MiB  # models/<name>.json (the serialized graph), and its configs
     program: int = 64 * MiB  # each stored program of a self-contained archive
     tensors: int = 64 * GiB  # all weights and constants together
     other: int = 16 * MiB  # any other entry that is read
+    metadata: int = 1 * GiB  # everything but tensors, all entries together
     ratio: int = 200  # inflated / compressed, for entries above 1 MiB
     entries: int = 100_000  # number of entries in the archive
 
@@ -105,6 +106,7 @@ class ZipReader:
         self.description = description
         self.limits = limits
         self.tensor_bytes = 0
+        self.metadata_bytes = 0
         if isinstance(path, (str, os.PathLike)):
             self.file = open(path, "rb")
             self.pos = None
@@ -159,9 +161,6 @@ class ZipReader:
                     f"pt2 archives are not."
                 )
 
-    def size(self, name: str) -> int:
-        return self.infos[name].file_size
-
     def check(self, name: str, kind: str) -> int:
         """The declared inflated size of an entry, after checking it against the
         limits of its kind (without reading it)."""
@@ -181,11 +180,17 @@ class ZipReader:
                     f"{limit} bytes at entry '{name}' ({size} bytes; {total} in all). Raise it "
                     f"with limits=ArchiveLimits(tensors=...) if you trust the file."
                 )
-        elif size > limit:
+        if kind != "tensors" and size > limit:
             raise ArchiveError(
                 f"torch_opaque: entry '{name}' in {self.description} inflates to {size} bytes, "
                 f"more than the {kind} limit of {limit} bytes. Raise it with "
                 f"limits=ArchiveLimits({kind}=...) if you trust the file."
+            )
+        if kind != "tensors" and self.metadata_bytes + size > self.limits.metadata:
+            raise ArchiveError(
+                f"torch_opaque: {self.description} holds more than {self.limits.metadata} bytes "
+                f"of manifest, graphs and stored programs (at entry '{name}'). Raise it with "
+                f"limits=ArchiveLimits(metadata=...) if you trust the file."
             )
         if size > MiB and size > info.compress_size * self.limits.ratio:
             raise ArchiveError(
@@ -219,6 +224,8 @@ class ZipReader:
             )
         if kind == "tensors":
             self.tensor_bytes += size
+        else:
+            self.metadata_bytes += size
         return bytes(out)
 
     def text(self, name: str, kind: str) -> str:
