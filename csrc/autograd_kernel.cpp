@@ -186,6 +186,17 @@ void AutogradKernel::operator()(const c10::OperatorHandle& handle,
           needs[i] = true;
           any = true;
         }
+      } else if (grad_on && args[i].isTensorList() &&
+                 op->definition().refuse_grad_through_lists) {
+        for (const at::Tensor& t : args[i].toTensorList().vec()) {
+          TORCH_CHECK(!t.defined() || !t.requires_grad(), op->qualified_name(),
+                      ": argument '", handle.schema().arguments()[i].name(),
+                      "' (Tensor[]) holds tensors that require grad, but gradients of "
+                      "tensor-list elements are not supported by the C++ API yet, and "
+                      "dropping them silently would train the wrong model. Pass each "
+                      "differentiable tensor as its own at::Tensor argument, or detach "
+                      "the list elements if they need no gradient.");
+        }
       }
     }
   }

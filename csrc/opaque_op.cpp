@@ -223,4 +223,34 @@ std::shared_ptr<OpaqueOp> define_op(OpDefinition def) {
   return op;
 }
 
+namespace {
+std::mutex& registration_errors_mutex() {
+  static std::mutex m;
+  return m;
+}
+std::vector<std::string>& registration_errors() {
+  static std::vector<std::string> errors;
+  return errors;
+}
+} // namespace
+
+void record_registration_error(std::string message) {
+  std::lock_guard<std::mutex> guard(registration_errors_mutex());
+  registration_errors().push_back(std::move(message));
+}
+
+std::vector<std::string> take_registration_errors() {
+  std::lock_guard<std::mutex> guard(registration_errors_mutex());
+  return std::exchange(registration_errors(), {});
+}
+
+void check_registrations() {
+  std::vector<std::string> errors = take_registration_errors();
+  if (errors.empty()) return;
+  std::ostringstream ss;
+  ss << "torch_opaque: " << errors.size() << " op registration(s) failed while loading:";
+  for (const auto& e : errors) ss << "\n  - " << e;
+  TORCH_CHECK(false, ss.str());
+}
+
 } // namespace torch_opaque

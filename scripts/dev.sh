@@ -10,7 +10,7 @@ cd "$(dirname "$0")/.."
 ROOT=$PWD
 VENV=${TORCH_OPAQUE_VENV:-$ROOT/.venv}
 TORCH_PIN=${TORCH_OPAQUE_TORCH:-torch==2.13.0}
-PY_PACKAGES=(numpy pytest expecttest hypothesis onnx onnxscript onnxruntime graphviz)
+PY_PACKAGES=(numpy pytest expecttest hypothesis onnx onnxscript onnxruntime graphviz sybil)
 
 log() { printf '\n== %s\n' "$*"; }
 
@@ -33,7 +33,7 @@ python_env() {
     log "creating $VENV"
     python3 -m venv "$VENV"
   fi
-  if ! "$VENV/bin/python" -c "import torch, numpy, pytest, expecttest, hypothesis, onnx, onnxscript, onnxruntime, graphviz" 2>/dev/null; then
+  if ! "$VENV/bin/python" -c "import torch, numpy, pytest, expecttest, hypothesis, onnx, onnxscript, onnxruntime, graphviz, sybil" 2>/dev/null; then
     log "pip install $TORCH_PIN ${PY_PACKAGES[*]}"
     "$VENV/bin/pip" install -q --disable-pip-version-check "$TORCH_PIN" "${PY_PACKAGES[@]}"
   fi

@@ -94,3 +94,20 @@ def test_compile_fullgraph(backend):
         out.sum().backward()
         ref.sum().backward()
         torch.testing.assert_close(x.grad, x2.grad)
+
+
+def test_failed_registrations_raise_a_catchable_error():
+    """A library whose TORCH_OPAQUE_DEF lines fail at load time: a Python
+    exception that names each failure, not a process ended by std::terminate;
+    the op that did register works."""
+    bad = ROOT / "build" / "tests" / "cpp" / "libbad_registration_ops.so"
+    assert bad.exists(), f"{bad} is missing: run scripts/dev.sh build first"
+    with pytest.raises(torch_opaque.RegistrationError) as info:
+        torch_opaque.load_library(bad)
+    msg = str(info.value)
+    assert "failed to register 2 op(s)" in msg
+    assert "the name must be qualified, as in \"myops::my_op\"" in msg
+    assert "opaque_bad_registration::twice is already defined" in msg
+    x = torch.randn(3, requires_grad=True)
+    torch.ops.opaque_bad_registration.twice(x).sum().backward()
+    torch.testing.assert_close(x.grad, torch.full_like(x, 2.0))

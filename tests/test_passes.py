@@ -166,3 +166,19 @@ def test_inline_and_replace_on_training_form(ep):
 def test_passes_need_an_exported_program():
     with pytest.raises(TypeError, match="ExportedProgram"):
         passes.inline(archops.Net())
+
+
+def test_strip_and_replace_when_the_opaque_output_is_the_program_output():
+    """A training-form call whose output the program returns directly: the
+    rewritten node replaces the returned one, and the signature follows it."""
+    x = torch.randn(4)
+    gm, _ = torch._dynamo.export(lambda t: archops.Cube.apply(t), aten_graph=True)(
+        x.clone().requires_grad_()
+    )
+    program = torch.export.export(gm, (x,))
+    stripped = passes.strip_residuals(program)
+    assert [r.role for r in passes.list_opaque_ops(stripped)] == ["op"]
+    torch.testing.assert_close(stripped.module()(x), x**3)
+    replaced = passes.replace(program, archops.Cube, lambda t: t * t * t + 1)
+    assert passes.list_opaque_ops(replaced) == []
+    torch.testing.assert_close(replaced.module()(x), x**3 + 1)

@@ -10,12 +10,22 @@
     torch_opaque.export(model, (x,)) # torch.export.export inside auto()
 """
 
+import importlib
+
 import torch  # noqa: F401  (loads libtorch before the extension)
 
-from . import _C  # noqa: F401
+try:
+    _C = importlib.import_module(__name__ + "._C")
+except ImportError as _e:  # a source checkout that was never built, or a torch mismatch
+    raise ImportError(
+        f"torch_opaque: its compiled core (torch_opaque._C) did not load: {_e}. "
+        f"Build and install the package against the torch in this environment "
+        f"(`pip install --no-build-isolation .`, or `scripts/dev.sh build` in a checkout), "
+        f"with the torch version it was built for."
+    ) from _e
 from .auto_mode import auto, export
 from .function import DEFAULT_NAMESPACE, OpaqueFunction, is_wrapped, lookup, op, wrap
-from .errors import FakeForwardError, SchemaError, UnsupportedError
+from .errors import FakeForwardError, RegistrationError, SchemaError, UnsupportedError
 from .archive import ArchiveError, OpNotAllowedError, load, save
 from . import passes
 from . import dynamo_hook as _dynamo_hook
@@ -26,8 +36,21 @@ _dynamo_hook.install()
 def load_library(path) -> None:
     """Load a shared library whose ops were written with torch_opaque/op.h
     (``torch.ops.load_library`` after the torch_opaque core is loaded, so both
-    share one copy of it)."""
+    share one copy of it).
+
+    Raises :class:`RegistrationError` listing each op of the library that could
+    not be registered (a name already taken, an unqualified name, argument names
+    that do not match): the ops that did register stay usable.
+    """
+    _C.take_registration_errors()  # failures of libraries loaded other ways are not ours
     torch.ops.load_library(str(path))
+    errors = _C.take_registration_errors()
+    if errors:
+        lines = "\n".join(f"  - {e}" for e in errors)
+        raise RegistrationError(
+            f"torch_opaque: loading {path} failed to register {len(errors)} op(s):\n{lines}\n"
+            f"Fix the TORCH_OPAQUE_DEF lines named above and rebuild the library."
+        )
 
 __version__ = "0.1.0"
 
@@ -43,6 +66,7 @@ __all__ = [
     "SchemaError",
     "FakeForwardError",
     "UnsupportedError",
+    "RegistrationError",
     "DEFAULT_NAMESPACE",
     "save",
     "load",

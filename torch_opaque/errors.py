@@ -22,6 +22,10 @@ class UnsupportedError(TorchOpaqueError, RuntimeError, TypeError):
     """The Function uses a feature an opaque op cannot carry (mark_dirty, ctx state...)."""
 
 
+class RegistrationError(TorchOpaqueError, RuntimeError):
+    """Ops of a C++ library (TORCH_OPAQUE_DEF) that failed to register while it loaded."""
+
+
 class ArchiveError(TorchOpaqueError, RuntimeError):
     """An archive cannot be written or read (corrupted, truncated, over a size
     limit, invalid manifest, a part that would need unpickling, ops that cannot

@@ -299,7 +299,7 @@ def _new_program(ep, gm):
     return torch.export.ExportedProgram(
         root=gm,
         graph=gm.graph,
-        graph_signature=copy.deepcopy(ep.graph_signature),
+        graph_signature=_signature_for(ep.graph_signature, gm.graph),
         state_dict=ep.state_dict,
         range_constraints=copy.deepcopy(ep.range_constraints),
         module_call_graph=copy.deepcopy(ep.module_call_graph),
@@ -307,6 +307,18 @@ def _new_program(ep, gm):
         constants=ep.constants,
         verifiers=ep.verifiers,
     )
+
+
+def _signature_for(signature, graph):
+    """A copy of ``signature`` whose output specs name the nodes that ``graph``'s
+    output node now returns (a rewrite may have replaced a returned node)."""
+    signature = copy.deepcopy(signature)
+    returned = list(graph.output_node().args[0])
+    for spec, node in zip(signature.output_specs, returned):
+        arg = spec.arg
+        if isinstance(node, torch.fx.Node) and hasattr(arg, "name") and arg.name != node.name:
+            spec.arg = dataclasses.replace(arg, name=node.name)
+    return signature
 
 
 def _getitem_users(node) -> Optional[dict]:

@@ -70,6 +70,9 @@ PYBIND11_MODULE(_C, m) {
         py::arg("saved"), py::arg("grads"), py::arg("needs_input_grad"), py::arg("state"),
         py::arg("state_ints"),
         "Run a kernels.BackwardRunner's backward like the real kernel, from Python.");
+  m.def("take_registration_errors", &take_registration_errors,
+        "Failures recorded by TORCH_OPAQUE_DEF registrations since the last call "
+        "(Note [Static registration errors]); the record is emptied.");
   m.def("set_forward_record", &set_forward_record_py, py::arg("saved"),
         py::arg("non_differentiable"), py::arg("materialize_grads"), py::arg("state"),
         py::arg("state_ints"));

@@ -1,11 +1,7 @@
 // Two differentiable, exportable operators written with torch_opaque.
+// The first is quoted verbatim by the README (tests/test_docs.py checks it).
 #include <torch_opaque/op.h>
 
-#include <ATen/ATen.h>
-
-namespace {
-
-// example::scaled_sin(Tensor x, float scale) -> Tensor
 struct ScaledSin {
   static at::Tensor forward(torch_opaque::Context& ctx, const at::Tensor& x, double scale) {
     ctx.save_for_backward({x});
@@ -18,6 +14,10 @@ struct ScaledSin {
     return {grads[0] * at::cos(x) * ctx.saved_data["scale"].toDouble(), at::Tensor()};
   }
 };
+TORCH_OPAQUE_DEF(ScaledSin, "example::scaled_sin", "x", "scale");
+// -> example::scaled_sin(Tensor x, float scale) -> Tensor
+
+namespace {
 
 // example::top_value(Tensor x, int dim) -> (Tensor values, Tensor indices)
 // The indices are not differentiable.
@@ -44,5 +44,4 @@ struct TopValue {
 
 } // namespace
 
-TORCH_OPAQUE_DEF(ScaledSin, "example::scaled_sin", "x", "scale");
 TORCH_OPAQUE_DEF(TopValue, "example::top_value", "x", "dim");

@@ -28,6 +28,8 @@
 #include <torch_opaque/detail/cpp_kernels.h>
 #include <torch_opaque/opaque_op.h>
 
+// An op body needs ATen's functions (at::sin, at::matmul, ...): bring them.
+#include <ATen/ATen.h>
 #include <ATen/core/stack.h>
 #include <c10/util/Exception.h>
 #include <c10/util/SmallVector.h>
@@ -36,6 +38,7 @@
 #include <sstream>
 #include <string>
 #include <tuple>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -156,8 +159,41 @@ std::shared_ptr<OpaqueOp> def(const std::string& qualified_name,
   if constexpr (detail::has_fake<Op>::value) {
     d.meta_forward = detail::forward_kernel(&Op::fake, qualified_name);
   }
+  d.refuse_grad_through_lists = true;
   return define_op(std::move(d));
 }
+
+namespace detail {
+
+template <class... Names>
+constexpr std::integral_constant<size_t, sizeof...(Names)> count_names(const Names&...) {
+  return {};
+}
+
+// What TORCH_OPAQUE_DEF leaves at namespace scope: registers at load time and
+// records a failure instead of throwing (Note [Static registration errors]).
+template <class Op, size_t NumNames>
+struct StaticDefinition {
+  static_assert(detail::has_forward<Op>::value,
+                "TORCH_OPAQUE_DEF(Op, ...): Op needs `static R forward(torch_opaque::Context& "
+                "ctx, Args... args)`.");
+  static_assert(NumNames == 0 ||
+                    NumNames == ForwardSignature<decltype(&Op::forward)>::arity,
+                "TORCH_OPAQUE_DEF(Op, \"ns::name\", names...): give one name per forward "
+                "argument after ctx, in order (or none, for arg0, arg1, ...).");
+  StaticDefinition(const char* qualified_name, std::vector<std::string> arg_names) {
+    try {
+      op = def<Op>(qualified_name, std::move(arg_names));
+    } catch (const c10::Error& e) {
+      record_registration_error(e.what_without_backtrace());
+    } catch (const std::exception& e) {
+      record_registration_error(e.what());
+    }
+  }
+  std::shared_ptr<OpaqueOp> op; // null when the registration failed
+};
+
+} // namespace detail
 
 } // namespace torch_opaque
 
@@ -165,6 +201,10 @@ std::shared_ptr<OpaqueOp> def(const std::string& qualified_name,
 #define TORCH_OPAQUE_CONCAT(a, b) TORCH_OPAQUE_CONCAT_INNER(a, b)
 
 // At namespace scope: TORCH_OPAQUE_DEF(Op, "ns::name", "arg", "names", ...)
-#define TORCH_OPAQUE_DEF(OP, QUALIFIED_NAME, ...)                                   \
-  static const auto TORCH_OPAQUE_CONCAT(torch_opaque_registration_, __COUNTER__) = \
-      ::torch_opaque::def<OP>(QUALIFIED_NAME, {__VA_ARGS__})
+// A failed registration does not throw (it would end the process while the
+// library loads): see Note [Static registration errors].
+#define TORCH_OPAQUE_DEF(OP, QUALIFIED_NAME, ...)                                     \
+  static const ::torch_opaque::detail::StaticDefinition<                             \
+      OP, decltype(::torch_opaque::detail::count_names(__VA_ARGS__))::value>         \
+      TORCH_OPAQUE_CONCAT(torch_opaque_registration_, __COUNTER__)(QUALIFIED_NAME, \
+                                                                   {__VA_ARGS__})

@@ -52,6 +52,11 @@ struct OpDefinition {
   // registered on the Meta key of `ns::Name` and `ns::Name_fwd`. Without it
   // the CompositeExplicitAutograd kernels serve meta tensors too.
   BoxedKernel meta_forward;
+  // Tensor-list (Tensor[]) arguments are not differentiated: with false their
+  // elements are ignored by autograd, as torch.autograd.Function does (the
+  // Python front end); with true (the C++ API) a call whose list elements
+  // require grad is refused, so no gradient is dropped silently.
+  bool refuse_grad_through_lists = false;
 };
 
 class OpaqueOp;
@@ -60,6 +65,20 @@ class OpaqueOp;
 // when the definition is invalid (bad schema, name already taken, ...).
 // Registrations live for the rest of the process.
 std::shared_ptr<OpaqueOp> define_op(OpDefinition definition);
+
+// Note [Static registration errors]
+// TORCH_OPAQUE_DEF registers while a library is being loaded (static
+// initialization), where an escaping exception ends the process through
+// std::terminate. Its failures are recorded instead, and reported where they
+// can be caught: torch_opaque.load_library raises them as a Python
+// RegistrationError; a C++ program calls check_registrations() (e.g. first
+// thing in main, or after dlopen) to get them as a c10::Error.
+void record_registration_error(std::string message);
+// The recorded failures, oldest first; the record is emptied.
+std::vector<std::string> take_registration_errors();
+// Throws c10::Error listing the recorded failures (and empties the record);
+// does nothing when there are none.
+void check_registrations();
 
 class OpaqueOp {
  public:
