@@ -143,8 +143,8 @@ def test_limits_keyword(tmp_path):
         torch_opaque.load(path, limits=ArchiveLimits(model=1000))
     with pytest.raises(ArchiveError, match="exceeds the limit of 100 bytes at entry 'v1_net/data/weights/weight_0'"):
         torch_opaque.load(path, limits=ArchiveLimits(tensors=100))
-    with pytest.raises(ArchiveError, match="holds more than 30000 bytes of manifest, graphs and stored programs"):
-        torch_opaque.load(f"{FIXTURES}/v1_net_sc.pt2", limits=ArchiveLimits(metadata=30000))
+    with pytest.raises(ArchiveError, match="holds more than 5000 bytes of manifest, graphs and stored programs"):
+        torch_opaque.load(f"{FIXTURES}/v1_net_sc.pt2", limits=ArchiveLimits(metadata=5000))
     with pytest.raises(ValueError, match="ArchiveLimits.model must be a positive int"):
         ArchiveLimits(model=0)
     with pytest.raises(TypeError, match="limits must be an ArchiveLimits"):

@@ -29,6 +29,16 @@ the archive itself, following the layout written by torch/export/pt2_archive:
 
 Every entry is read through :class:`~torch_opaque.archive.zipio.ZipReader`
 within its size limit (Note [Size limits]).
+
+Example::
+
+    >>> from torch_opaque.archive.program import check_guard, check_sym_expr
+    >>> check_sym_expr("Mul(Integer(2), Symbol('s0', positive=True, integer=True))") is None
+    True
+    >>> check_sym_expr("__import__('os').system('ls')")
+    "unknown name '__import__'"
+    >>> check_guard("L['x'].size()[0] > 3") is None
+    True
 """
 
 from __future__ import annotations

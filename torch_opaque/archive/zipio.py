@@ -9,7 +9,7 @@ Example::
     >>> with zipfile.ZipFile(buf, "w") as zf:
     ...     zf.writestr("m/extra/note.txt", "hi")
     >>> with ZipReader(buf, "<buf>", ArchiveLimits()) as z:
-    ...     z.read("m/extra/note.txt", "extra")
+    ...     z.read("m/extra/note.txt", "other")
     b'hi'
 
 Note [Size limits]
@@ -74,6 +74,7 @@ _ZIP_ERRORS = (
 )
 
 _CHUNK = 1 * MiB
+_KINDS = ("manifest", "model", "program", "tensors", "other")
 
 
 def describe(path) -> str:
@@ -170,6 +171,8 @@ class ZipReader:
                 f"torch_opaque: {self.description} lacks the entry '{name}'; the archive is "
                 f"truncated or corrupted."
             )
+        if kind not in _KINDS:
+            raise ValueError(f"torch_opaque: unknown entry kind {kind!r} (one of {', '.join(_KINDS)})")
         limit = getattr(self.limits, kind)
         size = info.file_size
         if kind == "tensors":
