@@ -24,6 +24,12 @@ the module and class of the autograd.Function that defines it.
   forward and backward traced to ATen (see Note [Self-contained archives]); an
   op whose module is not allowed (or absent) is then re-created from them.
 
+Loading and ``python -m torch_opaque inspect`` run nothing from the file: the
+archive is read as data within size limits (Note [Size limits] in zipio.py),
+without unpickling or evaluating any part of it (Note [Reading pt2 without
+unpickling] in program.py); the only code that may run is that of the modules
+the caller allows.
+
 Example::
 
     >>> import torch, torch_opaque, tempfile, os
