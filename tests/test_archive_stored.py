@@ -108,3 +108,32 @@ def test_archives_storing_the_same_op_for_different_calls(archives, tmp_path):
     assert out["a"].startswith("Tensor_stored_") and out["b"].startswith("Tensor_stored_")
     again = last_json(run_script(RELOAD, [resaved], tmp_path, with_fixtures=False))
     assert again["overload"] == out["b"]  # the suffix is replaced, not stacked
+
+
+TWICE = """
+import json, sys
+import torch_opaque
+out = []
+for _ in range(2):
+    try:
+        torch_opaque.load(sys.argv[1])
+        out.append("loaded")
+    except torch_opaque.ArchiveError as e:
+        out.append(str(e))
+print(json.dumps(out))
+"""
+
+
+def test_a_stored_program_that_fails_to_read_fails_every_time(archives, tmp_path):
+    """The op is defined before its programs are read; a second load of the same
+    (corrupted) archive must not find it half made and succeed."""
+    import archive_corpus as C
+
+    bad = tmp_path / "bad.pt2"
+    C.rewrite(archives / "cube32.pt2", bad,
+              lambda n, b: b[: len(b) // 2] + b"A" * (len(b) - len(b) // 2) if n.endswith(".fwd") else b)  # fmt: skip
+    proc = run_script(TWICE, [bad], tmp_path, with_fixtures=False)
+    assert proc.returncode == 0, proc.stderr
+    first, second = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert "the stored fwd program of opaque::ArchCube.Tensor" in first
+    assert second == first

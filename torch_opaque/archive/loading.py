@@ -282,8 +282,7 @@ def _prepare_ops(plan: list, programs: dict, description: str, limits: ArchiveLi
                 created.append(sov)
     # Deserialize the stored programs once every op (they may call each other) exists.
     for sov in created:
-        for v in sov.variants:
-            v.deserialize(description, f"{sov.qual}.{sov.overload}", limits, rename)
+        sov.deserialize(description, limits, rename)
     return rename
 
 

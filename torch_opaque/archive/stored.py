@@ -9,6 +9,7 @@ import binascii
 import hashlib
 import json
 import re
+import threading
 from typing import Optional
 
 import torch
@@ -158,6 +159,12 @@ class StoredOverload:
         self.schema = schema
         self.n_out = record.n_out
         self.variants = variants
+        self.ready = False  # every variant's programs deserialized
+
+    def deserialize(self, description: str, limits, rename: dict) -> None:
+        for v in self.variants:
+            v.deserialize(description, f"{self.qual}.{self.overload}", limits, rename)
+        self.ready = True
 
     def select(self, args, fake: bool):
         for v in self.variants:
@@ -327,6 +334,7 @@ class _StoredBackwardRunner:
 
 _STORED_SUFFIX = re.compile(r"_stored_[0-9a-f]{12}$")
 _STORED: dict = {}  # (namespace, name, registered overload) -> StoredOverload
+_LOCK = threading.Lock()  # two threads loading the same archive define it once
 
 
 def is_stored_name(overload: str) -> bool:
@@ -375,12 +383,18 @@ def define_stored(op: OpEntry, ov: OverloadRecord, payloads: dict, registered: s
     """Defines ``ns::name.<registered>`` running the stored programs of ``ov``;
     (StoredOverload, whether it was defined now). The programs are deserialized
     later (_Variant.deserialize), once every op they call exists."""
+    with _LOCK:
+        existing = _STORED.get((op.namespace, op.name, registered))
+        if existing is not None:
+            # not ready: an earlier load failed to read its programs; read them again
+            return existing, not existing.ready
+        return _define(op, ov, payloads, registered), True
+
+
+def _define(op: OpEntry, ov: OverloadRecord, payloads: dict, registered: str) -> StoredOverload:
     from ..ops import schema_or_none
 
     ns, name = op.namespace, op.name
-    existing = _STORED.get((ns, name, registered))
-    if existing is not None:
-        return existing, False
     schema = torch._C.parse_schema(ov.schema)
     variants = [_Variant(v, {w: payloads[getattr(v, w)] for w in ("fwd", "bwd")}, schema) for v in ov.variants]
     record = OverloadRecord(**{**ov.__dict__})
@@ -411,4 +425,4 @@ def define_stored(op: OpEntry, ov: OverloadRecord, payloads: dict, registered: s
         target = getattr(getattr(packet, name + suffix), registered)
         torch.library.register_fake(target, fake, lib=sov.lib)
     _STORED[(ns, name, registered)] = sov
-    return sov, True
+    return sov
