@@ -9,6 +9,7 @@
 #include <torch/csrc/autograd/autograd_not_implemented_fallback.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cctype>
 #include <mutex>
 #include <sstream>
@@ -98,9 +99,16 @@ std::string returns_string(const std::vector<std::string>& returns, bool residua
   const size_t n = returns.size() + (residuals ? 1 : 0);
   if (n != 1) ss << "(";
   for (size_t i = 0; i < returns.size(); ++i) ss << (i ? ", " : "") << returns[i];
-  if (residuals) ss << (returns.empty() ? "" : ", ") << "Tensor[]";
+  // Named returns ("Tensor values") name the residuals too.
+  const bool named = !returns.empty() && returns[0].find(' ') != std::string::npos;
+  if (residuals) ss << (returns.empty() ? "" : ", ") << (named ? "Tensor[] residuals" : "Tensor[]");
   if (n != 1) ss << ")";
   return ss.str();
+}
+
+std::mutex& registry_mutex() {
+  static std::mutex mu;
+  return mu;
 }
 
 std::vector<std::shared_ptr<OpaqueOp>>& all_ops() {
@@ -126,8 +134,7 @@ std::string OpaqueOp::qualified_name() const {
 }
 
 std::shared_ptr<OpaqueOp> define_op(OpDefinition def) {
-  static std::mutex mu;
-  std::lock_guard<std::mutex> lock(mu);
+  std::lock_guard<std::mutex> lock(registry_mutex());
   const std::string qual = def.ns + "::" + with_overload(def.name, def.overload);
   TORCH_CHECK(is_identifier(def.ns), "torch_opaque: namespace '", def.ns,
               "' is not a valid identifier; use letters, digits and '_'.");
@@ -251,6 +258,25 @@ void check_registrations() {
   ss << "torch_opaque: " << errors.size() << " op registration(s) failed while loading:";
   for (const auto& e : errors) ss << "\n  - " << e;
   TORCH_CHECK(false, ss.str());
+}
+
+bool release_op(const OpaqueOp& op, long users) {
+  std::shared_ptr<OpaqueOp> kept;
+  {
+    std::lock_guard<std::mutex> lock(registry_mutex());
+    auto& ops = all_ops();
+    auto it = std::find_if(ops.begin(), ops.end(),
+                           [&](const std::shared_ptr<OpaqueOp>& p) { return p.get() == &op; });
+    if (it == ops.end()) return true;  // released before
+    // all_ops() holds one reference, the caller `users`; any other is a live
+    // autograd node that may still run the backward op.
+    if (it->use_count() > users + 1) return false;
+    kept = std::move(*it);
+    ops.erase(it);
+  }
+  // Outside the lock: destroying the kernels may run Python destructors.
+  kept->drop_registrations();
+  return true;
 }
 
 } // namespace torch_opaque

@@ -4,13 +4,16 @@
 #   scripts/dev.sh test   build everything, run pytest and CTest
 #   scripts/dev.sh build  build only
 # It installs what it needs: Debian packages (apt), a virtual environment in
-# .venv with the pinned torch, the C++ build in build/.
+# .venv with the pinned torch, and torch_opaque itself, built the way users get
+# it (pip, scikit-build-core: pyproject.toml) as an editable install whose C++
+# build tree is build/ (with the GoogleTest suite, for CTest).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
 VENV=${TORCH_OPAQUE_VENV:-$ROOT/.venv}
-TORCH_PIN=${TORCH_OPAQUE_TORCH:-torch==2.13.0}
-PY_PACKAGES=(numpy pytest expecttest hypothesis onnx onnxscript onnxruntime graphviz sybil)
+# The torch to develop and test with; by default the one pyproject.toml's
+# build-system requirements name.
+TORCH_PIN=${TORCH_OPAQUE_TORCH:-}
 
 log() { printf '\n== %s\n' "$*"; }
 
@@ -33,27 +36,51 @@ python_env() {
     log "creating $VENV"
     python3 -m venv "$VENV"
   fi
-  if ! "$VENV/bin/python" -c "import torch, numpy, pytest, expecttest, hypothesis, onnx, onnxscript, onnxruntime, graphviz, sybil" 2>/dev/null; then
-    log "pip install $TORCH_PIN ${PY_PACKAGES[*]}"
-    "$VENV/bin/pip" install -q --disable-pip-version-check "$TORCH_PIN" "${PY_PACKAGES[@]}"
+  # pyproject.toml holds the dependency lists: the build requirements
+  # (scikit-build-core, torch) go in first, since the build uses this
+  # environment's torch (--no-build-isolation); the test extra comes with the
+  # package in build().
+  local listed requires
+  listed=$("$VENV/bin/python" - "$TORCH_PIN" <<'PY'
+import sys
+try:
+    import tomllib
+except ImportError:  # Python 3.10
+    from pip._vendor import tomli as tomllib
+with open("pyproject.toml", "rb") as f:
+    requires = tomllib.load(f)["build-system"]["requires"]
+pin = sys.argv[1]
+for r in requires:
+    print(pin if pin and r.replace(" ", "").startswith("torch=") else r)
+PY
+)
+  mapfile -t requires <<<"$listed"
+  if ! "$VENV/bin/python" - "${requires[@]}" <<'PY' 2>/dev/null
+import importlib.metadata, sys
+from pip._vendor.packaging.requirements import Requirement
+for r in map(Requirement, sys.argv[1:]):
+    if not r.specifier.contains(importlib.metadata.version(r.name), prereleases=True):
+        sys.exit(1)
+PY
+  then
+    log "pip install ${requires[*]}"
+    "$VENV/bin/pip" install -q --disable-pip-version-check "${requires[@]}"
   fi
 }
 
 build() {
   apt_deps
   python_env
+  log "pip install --no-build-isolation -e .[test] (C++ build in build/; the first one takes minutes)"
+  # Editable: Python files come from torch_opaque/, the compiled files are
+  # installed in site-packages/torch_opaque (lib/, include/, the CMake package).
+  CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)} \
+    "$VENV/bin/pip" install -q --disable-pip-version-check --no-build-isolation \
+    -C build-dir=build -C cmake.define.TORCH_OPAQUE_TESTS=ON -e ".[test]"
   local prefix
   prefix=$("$VENV/bin/python" -c "import torch.utils; print(torch.utils.cmake_prefix_path)")
-  log "cmake build (build/)"
-  cmake -S . -B build -G Ninja -DCMAKE_PREFIX_PATH="$prefix" \
-    -DPython3_EXECUTABLE="$VENV/bin/python" >/dev/null
-  cmake --build build --parallel "$(nproc)"
   log "examples/cpp against the installed CMake package (build/install)"
   examples/cpp/build_and_run.sh build "$prefix" --no-run >/dev/null
-  if ! "$VENV/bin/pip" show -q torch-opaque >/dev/null 2>&1; then
-    log "pip install -e . (no build isolation)"
-    "$VENV/bin/pip" install -q --disable-pip-version-check --no-build-isolation --no-deps -e .
-  fi
 }
 
 run_tests() {

@@ -3,7 +3,8 @@
 The whole pipeline runs in a temporary directory: package_model.py exports the
 model and packages it with torch._inductor.aoti_compile_and_package (in a
 subprocess), while examples/aoti is configured with CMake (-G Ninja, against
-the installed torch_opaque package in build/install and libtorch) and built;
+the installed torch_opaque package, torch_opaque.cmake_prefix_path, and
+libtorch) and built;
 then the C++ runner loads the .pt2 with AOTIModelPackageLoader, without
 Python, and compares with the eager outputs. Packaging and building run side
 by side; together they take one to two minutes on a slow machine.
@@ -20,10 +21,12 @@ import zipfile
 import pytest
 import torch.utils
 
+import torch_opaque
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "aoti"
 LIB = ROOT / "build" / "examples_cpp" / "libexample_ops.so"
-INSTALL = ROOT / "build" / "install"
+INSTALL = pathlib.Path(torch_opaque.cmake_prefix_path)
 TIMEOUT_S = 1800  # per step: generous, the machine may be slow and busy
 
 
@@ -38,7 +41,7 @@ def pipeline(tmp_path_factory):
     """Packages the model and builds run_package, side by side."""
     assert LIB.exists(), f"{LIB} is missing: run scripts/dev.sh build first"
     assert (INSTALL / "lib" / "cmake" / "torch_opaque").is_dir(), (
-        f"{INSTALL} has no torch_opaque CMake package: run scripts/dev.sh build first"
+        f"{INSTALL} has no torch_opaque CMake package: install torch_opaque (scripts/dev.sh build)"
     )
     for tool in ("cmake", "ninja", "c++"):
         if shutil.which(tool) is None:

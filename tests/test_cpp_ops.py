@@ -38,13 +38,18 @@ def test_schemas_and_eager_gradients():
         "example::scaled_sin(Tensor x, float scale) -> Tensor"
     )
     assert str(torch.ops.example.top_value.default._schema) == (
-        "example::top_value(Tensor x, int dim) -> (Tensor, Tensor)"
+        "example::top_value(Tensor x, int dim=-1) -> (Tensor values, Tensor indices)"
+    )
+    assert str(torch.ops.example.top_value_fwd.default._schema).endswith(
+        "-> (Tensor values, Tensor indices, Tensor[] residuals)"
     )
     x = torch.randn(3, 5, dtype=torch.double, requires_grad=True)
     assert torch.autograd.gradcheck(lambda t: torch.ops.example.scaled_sin(t, 1.5), (x,))
     assert torch.autograd.gradcheck(lambda t: torch.ops.example.top_value(t, 1)[0], (x,))
     values, idx = torch.ops.example.top_value(x, 0)
     assert values.requires_grad and not idx.requires_grad
+    values, idx = torch.ops.example.top_value(x)  # dim=-1 by default
+    torch.testing.assert_close(values, x.detach().max(-1).values)
 
 
 @pytest.mark.parametrize("strict", [False, True])
@@ -111,3 +116,25 @@ def test_failed_registrations_raise_a_catchable_error():
     x = torch.randn(3, requires_grad=True)
     torch.ops.opaque_bad_registration.twice(x).sum().backward()
     torch.testing.assert_close(x.grad, torch.full_like(x, 2.0))
+
+
+def test_the_benchmark_baseline_is_a_correct_op():
+    """The C++ benchmark's hand-written op (benchmarks/cpp/handwritten_scaled_sin.cpp,
+    without Meta kernels) passes what the torch_opaque op passes: opcheck,
+    export with one node, compile with its backward op."""
+    lib = ROOT / "build" / "tests" / "cpp" / "libhandwritten_ops.so"
+    assert lib.exists(), f"{lib} is missing: run scripts/dev.sh build first"
+    torch.ops.load_library(str(lib))
+    op = torch.ops.handwritten.scaled_sin.default
+    torch.library.opcheck(op, (torch.randn(3, 4, requires_grad=True), 0.5))
+
+    class M(torch.nn.Module):
+        def forward(self, x):
+            return torch.ops.handwritten.scaled_sin(x, 2.0)
+
+    ep = torch.export.export(M(), (torch.randn(4, 3),), dynamic_shapes=({0: torch.export.Dim("b")},))
+    assert [n.target for n in ep.graph.nodes if n.op == "call_function"] == [op]
+    compiled = torch.compile(M(), backend="aot_eager", fullgraph=True)
+    x = torch.randn(5, 3, requires_grad=True)
+    compiled(x).sum().backward()
+    torch.testing.assert_close(x.grad, 2 * x.detach().cos())

@@ -144,7 +144,7 @@ def python_apply_calls(fn) -> int:
     calls = []
 
     def profile(frame, event, arg):
-        if event == "call" and frame.f_code.co_name == "_patched_apply":
+        if event == "call" and frame.f_code.co_name == "route_apply":
             calls.append(frame)
 
     sys.setprofile(profile)

@@ -436,6 +436,38 @@ def test_untraceable_forward_with_functions_false_or_mapping():
     assert_matches(proto, NumpyModel(), torch.randn(3))
 
 
+@torch_opaque.op(name="OnnxSvdTop")
+class SvdTop(torch.autograd.Function):  # traceable to ATen, but no ONNX translation of svd
+    @staticmethod
+    def forward(ctx, x):
+        u, s, vh = torch.linalg.svd(x)
+        ctx.save_for_backward(u, vh)
+        return s[..., :1] * 1.0
+
+    @staticmethod
+    def backward(ctx, g):
+        u, vh = ctx.saved_tensors
+        return g[..., None] * (u[..., :, :1] @ vh[..., :1, :])
+
+
+class SvdModel(torch.nn.Module):
+    def forward(self, x):
+        return SvdTop.apply(x) + 1
+
+
+def test_forward_without_onnx_translation_names_the_function_and_the_way_out():
+    with pytest.raises(OnnxExportError) as info:
+        torch_opaque.onnx.export(SvdModel(), (torch.randn(3, 3),))
+    msg = str(info.value)
+    assert msg.startswith(
+        "torch_opaque.onnx: the forward of opaque::OnnxSvdTop (SvdTop) has no ONNX translation "
+    ), msg
+    assert "aten._linalg_svd" in msg
+    assert "mapping={'opaque::OnnxSvdTop'" in msg and "functions=False" in msg
+    proto = torch_opaque.onnx.export(SvdModel(), (torch.randn(3, 3),), functions=False)
+    assert [n.op_type for n in custom_nodes(proto.graph)] == ["OnnxSvdTop"]
+
+
 def test_mapping_unknown_op_lists_the_ops_found():
     with pytest.raises(OnnxExportError) as info:
         torch_opaque.onnx.export(Several(), xy(2), mapping={"opaque::Nope": "Relu"})

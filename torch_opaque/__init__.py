@@ -23,14 +23,15 @@ except ImportError as _e:  # a source checkout that was never built, or a torch 
         f"(`pip install --no-build-isolation .`, or `scripts/dev.sh build` in a checkout), "
         f"with the torch version it was built for."
     ) from _e
-from .auto_mode import auto, export
+from .hooks.auto import AutoReport, auto, export
 from .function import DEFAULT_NAMESPACE, OpaqueFunction, is_wrapped, lookup, op, wrap
 from .errors import FakeForwardError, RegistrationError, SchemaError, UnsupportedError
 from .archive import ArchiveError, OpNotAllowedError, load, save
 from . import passes
-from . import dynamo_hook as _dynamo_hook
+from .training import export_training, training_outputs
 
-_dynamo_hook.install()
+# Importing changes nothing in torch: the first wrap()/op/auto() reroutes
+# Function.apply and arms the Dynamo hook (torch_opaque/hooks/__init__.py).
 
 
 def load_library(path) -> None:
@@ -52,7 +53,14 @@ def load_library(path) -> None:
             f"Fix the TORCH_OPAQUE_DEF lines named above and rebuild the library."
         )
 
-__version__ = "0.1.0"
+__version__ = "0.1.0"  # the one place the version is written (Note [One version], CMakeLists.txt)
+
+# For find_package(torch_opaque) in CMake, like torch.utils.cmake_prefix_path:
+# the installed package is a CMake prefix (lib/cmake/torch_opaque, include/,
+# lib/libtorch_opaque.so next to _C; Note [Wheel layout] in CMakeLists.txt).
+import os as _os
+
+cmake_prefix_path = _os.path.dirname(_os.path.abspath(_C.__file__))
 
 __all__ = [
     "op",
@@ -61,6 +69,7 @@ __all__ = [
     "lookup",
     "is_wrapped",
     "auto",
+    "AutoReport",
     "export",
     "OpaqueFunction",
     "SchemaError",
@@ -73,4 +82,6 @@ __all__ = [
     "ArchiveError",
     "OpNotAllowedError",
     "passes",
+    "export_training",
+    "training_outputs",
 ]

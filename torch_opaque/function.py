@@ -24,7 +24,9 @@ from __future__ import annotations
 import hashlib
 import inspect
 import re
+import sys
 import threading
+import weakref
 from typing import Optional
 
 import torch
@@ -32,6 +34,7 @@ from torch.autograd.function import _is_setup_context_defined
 
 from . import _C
 from .errors import FakeForwardError
+from .hooks import apply as _apply_hook
 from .kernels import BackwardRunner, FakeRunner, InferenceFake, Runner, check_tensor_outputs
 from .kernels import make_backward_fake
 from .schema import kinds_key, returns_from_hint, specs_from_hints
@@ -39,10 +42,22 @@ from .schema import specs_from_values
 
 DEFAULT_NAMESPACE = "opaque"
 
-_LOCK = threading.RLock()
-_BY_CLASS: dict = {}  # class -> OpaqueFunction
-_BY_OPNAME: dict = {}  # (namespace, name) -> OpaqueFunction
-_ORIGINAL_APPLY = torch.autograd.Function.apply.__func__
+# Note [Registry lifetime]
+# The registry never holds a Function class strongly: OpaqueFunction keeps a
+# weak reference to its class, and entries are keyed by id(cls). When a class
+# is garbage collected (a factory that makes a class per call, then drops it),
+# its entries go and its ops are released (_C.release_op drops the dispatcher
+# registrations, the fake kernels and the torch.ops attributes), so a loop that
+# creates and drops classes keeps memory bounded. An op that autograd nodes of
+# live tensors still use is released later, at the next registry change.
+# A class whose forward/backward refers to the class itself (a closure over it,
+# super() in a subclass) is kept alive by its own kernels and never freed.
+_LOCK = threading.RLock()  # held only while the registry changes, never while user code runs
+_BY_ID: dict = {}  # id(class) -> OpaqueFunction
+_BY_OPNAME: dict = {}  # (namespace, name) -> OpaqueFunction, until its ops are released
+_PENDING_RELEASE: list = []  # OpaqueFunctions of dead classes whose ops are still in use
+# Stock autograd.Function.apply (Note [Apply interception] in hooks/apply.py).
+_ORIGINAL_APPLY = _apply_hook.ORIGINAL_APPLY
 
 
 def default_name(cls: type) -> str:
@@ -71,7 +86,13 @@ class Overload:
         fake_runner = FakeRunner(
             name, user_fake or forward, setup, specs, n_out, has_user_fake=user_fake is not None
         )
-        bwd = BackwardRunner(name, fn.cls.backward, specs)
+        self.fake_runner = fake_runner
+        backward = fn.cls.backward
+        if not fn.explicit:  # registered by auto(): Note [Auto fall-back]
+            backward = _guard_backward(backward, fn.cls_ref)
+            for r in (self.runner, fake_runner):
+                r.encode_ctx = _exact_encoder(r)
+        bwd = BackwardRunner(name, backward, specs)
         self.handle = _C.define_op(
             fn.namespace,
             fn.name,
@@ -108,12 +129,13 @@ class Overload:
 class OpaqueFunction:
     """The operator side of one autograd.Function subclass."""
 
-    def __init__(self, cls: type, namespace: str, name: str):
-        self.cls = cls
+    def __init__(self, cls: type, namespace: str, name: str, explicit: bool = True):
+        self.cls_ref = weakref.ref(cls, _class_freed(id(cls)))
         self.namespace = namespace
         self.name = name
         self.display_name = cls.__qualname__
-        self.explicit = True  # False while only auto mode routes calls to the op
+        self.explicit = explicit  # False while only auto mode routes calls to the op
+        self.auto_checked: set = set()  # overload names auto() saw run (Note [Auto fall-back])
         self.setup_style = _is_setup_context_defined(cls.setup_context)
         params = list(inspect.signature(cls.forward).parameters.values())
         if not self.setup_style:
@@ -147,10 +169,26 @@ class OpaqueFunction:
         self.overloads: dict = {}  # overload name -> Overload
         self._by_kinds: dict = {}  # kinds_key -> Overload
         self._single: Optional[Overload] = None  # set when the schema comes from hints
-        # Note [Direct apply] (csrc/python/direct_apply.h): the C-level Cls.apply,
-        # and the argument-type signatures it already routes to an overload.
-        self.direct_apply = None
+        # Note [Direct apply] (csrc/python/direct_apply.h): the argument-type
+        # signatures the C-level Cls.apply already routes to an overload.
         self.direct_keys: set = set()
+
+    @property
+    def cls(self) -> type:
+        cls = self.cls_ref()
+        if cls is None:
+            raise RuntimeError(
+                f"torch_opaque: the class of {self.namespace}::{self.name} was garbage collected."
+            )
+        return cls
+
+    @property
+    def direct_apply(self):
+        """The C-level ``Cls.apply`` (Note [Direct apply]), or None."""
+        cls = self.cls_ref()
+        attr = cls.__dict__.get("apply") if cls is not None else None
+        d = getattr(attr, "__func__", None)
+        return d if isinstance(d, _C.DirectApply) else None
 
     def __repr__(self):
         return f"<torch_opaque op {self.namespace}::{self.name} for {self.display_name}>"
@@ -174,41 +212,47 @@ class OpaqueFunction:
         ov = self._single
         if ov is None:
             ov = self._by_kinds.get(kinds_key(values)) or self.overload_for(values)
-        if self.direct_apply is not None and not kwargs and len(args) == len(values):
+        if self.explicit and not kwargs and len(args) == len(values):
             key = tuple(map(type, args))
             if key not in self.direct_keys and list not in key and tuple not in key:
-                self.direct_keys.add(key)
-                self.direct_apply.add(key, *ov.direct_entry())
+                direct = self.direct_apply
+                if direct is not None:
+                    self.direct_keys.add(key)
+                    direct.add(key, *ov.direct_entry())
         return ov(values)
 
     # ---- defining overloads ----------------------------------------------------------
 
     def overload_for(self, values: list) -> Overload:
-        """The overload for these argument values, defining it on first use."""
-        with _LOCK:
-            key = kinds_key(values)
-            ov = self._by_kinds.get(key)
-            if ov is not None:
-                return ov
-            if self.hint_specs is not None:
-                specs, overload = self.hint_specs, ""
-            else:
-                names = (
-                    [f"arg{i}" for i in range(len(values))] if self.varargs else self.arg_names
-                )
-                specs = specs_from_values(names, values, self.defaults, self.display_name)
-                overload = "_".join(s.token for s in specs) or "noargs"
-            ov = self.overloads.get(overload or "default")
-            if ov is None:
-                n_out, returns_tuple = returns_from_hint(self.cls.forward) or self._probe(
-                    specs, values
-                )
-                ov = Overload(self, overload, specs, n_out, returns_tuple)
-                self.overloads[ov.name] = ov
-                if self.hint_specs is not None:
-                    self._single = ov
-            self._by_kinds[key] = ov
+        """The overload for these argument values, defining it on first use.
+
+        The output probe runs the user's forward, so it runs without the
+        registry lock (a forward may call wrapped Functions from other
+        threads); only the registration itself is under the lock."""
+        key = kinds_key(values)
+        ov = self._by_kinds.get(key)
+        if ov is not None:
             return ov
+        if self.hint_specs is not None:
+            specs, overload = self.hint_specs, ""
+        else:
+            names = [f"arg{i}" for i in range(len(values))] if self.varargs else self.arg_names
+            specs = specs_from_values(names, values, self.defaults, self.display_name)
+            overload = "_".join(s.token for s in specs) or "noargs"
+        ov = self.overloads.get(overload or "default")
+        if ov is None:
+            n_out, returns_tuple = returns_from_hint(self.cls.forward) or self._probe(
+                specs, values
+            )
+            with _LOCK:
+                ov = self.overloads.get(overload or "default")  # another thread may have won
+                if ov is None:
+                    ov = Overload(self, overload, specs, n_out, returns_tuple)
+                    self.overloads[ov.name] = ov
+                    if self.hint_specs is not None:
+                        self._single = ov
+        self._by_kinds[key] = ov
+        return ov
 
     def _probe(self, specs, values) -> tuple:
         """(number of outputs, returns a tuple) by running forward on fake tensors."""
@@ -285,25 +329,155 @@ def _flat_tensors(values):
 # ---- public entry points ------------------------------------------------------------
 
 
-def _patched_apply(cls, *args, **kwargs):
-    fn = _BY_CLASS.get(cls)
-    if fn is None:  # a subclass of a wrapped class: not wrapped itself
-        return _ORIGINAL_APPLY(cls, *args, **kwargs)
-    return fn.apply(*args, **kwargs)
+def route_apply(cls, *args, **kwargs):
+    """Every ``Function.apply`` call once routing is installed (Note [Apply
+    interception] in hooks/apply.py), and the fallback of the C-level
+    ``Cls.apply`` of wrapped classes: the op of a wrapped class, auto mode's
+    choice inside ``auto()``, else the stock Function."""
+    fn = _BY_ID.get(id(cls))
+    if fn is not None and fn.explicit and fn.cls_ref() is cls:
+        return fn.apply(*args, **kwargs)
+    if _auto.active():
+        return _auto.call(cls, args, kwargs)
+    return _ORIGINAL_APPLY(cls, *args, **kwargs)
 
 
-_patched_apply.__name__ = "apply"
+route_apply.__name__ = "apply"
+_ROUTING = False
+
+
+def ensure_routing() -> None:
+    """Install the apply interception and the (lazy) Dynamo hook, once."""
+    global _ROUTING
+    if _ROUTING:
+        return
+    from .hooks import dynamo as _dynamo_hook
+
+    _apply_hook.install_apply_route(route_apply, _BY_ID, _auto._state)
+    _dynamo_hook.install_when_dynamo_loads()
+    _ROUTING = True
+
+
+def _guard_backward(backward, cls_ref):
+    """An auto-registered class's backward: a failure there falls back
+    (Note [Auto fall-back])."""
+
+    def guarded(ctx, *grads):
+        try:
+            return backward(ctx, *grads)
+        except Exception as e:
+            fn = _BY_ID.get(id(cls_ref()))
+            if fn is None or not fn.explicit:
+                _auto.backward_failed(cls_ref(), e)
+            raise
+
+    guarded.__name__ = getattr(backward, "__name__", "backward")
+    guarded.__qualname__ = getattr(backward, "__qualname__", "backward")
+    return guarded
+
+
+def _exact_encoder(runner):
+    """An auto-registered class's ctx encoder that refuses, in the forward (where
+    auto() can still fall back), state the backward would not get back exactly:
+    a value that does not decode, or decodes to another type (a namedtuple, an
+    IntEnum, a numpy scalar, a float subclass) (Note [Auto fall-back])."""
+    from .context import decode_state
+    from .errors import UnsupportedError
+
+    encode = runner.encode_ctx
+
+    def encode_ctx(ctx):
+        state, ints, saved = encode(ctx)
+        if state:
+            try:
+                _, attrs = decode_state(state, saved, ints)
+            except Exception as e:
+                raise UnsupportedError(
+                    f"torch_opaque: {runner.fn_name}: ctx state cannot be passed to the "
+                    f"backward op ({e})"
+                ) from e
+            for k, v in ctx.__dict__.items():
+                if type(attrs.get(k)) is not type(v):
+                    raise UnsupportedError(
+                        f"torch_opaque: {runner.fn_name}: ctx.{k} (a {type(v).__name__}) would reach the "
+                        f"backward as a {type(attrs.get(k)).__name__}"
+                    )
+        return state, ints, saved
+
+    return encode_ctx
 
 
 def _make_apply(cls: type, fn: OpaqueFunction):
-    """``cls.apply``: a C-level DirectApply with ``_patched_apply`` as its fallback."""
-    apply = _C.DirectApply(cls, _patched_apply)
+    """``cls.apply``: a C-level DirectApply with ``route_apply`` as its fallback."""
+    apply = _C.DirectApply(cls, route_apply)
     apply.__name__ = "apply"
     apply.__qualname__ = f"{cls.__qualname__}.apply"
     apply.__doc__ = f"Runs the op {fn.namespace}::{fn.name} (torch_opaque); {cls.__qualname__} is unchanged."
     apply.__signature__ = inspect.signature(_ORIGINAL_APPLY)  # (cls, *args, **kwargs)
-    fn.direct_apply = apply
     return apply
+
+
+# ---- lifetime (Note [Registry lifetime]) ----------------------------------------------
+
+
+def _class_freed(key: int):
+    def freed(_ref):
+        if sys is None or sys.is_finalizing():
+            return
+        try:
+            with _LOCK:
+                fn = _BY_ID.pop(key, None)
+                if fn is not None:
+                    _PENDING_RELEASE.append(fn)
+                _release_pending()
+        except Exception as e:  # never raise from a weakref callback
+            import warnings
+
+            warnings.warn(f"torch_opaque: could not release the ops of a freed class: {e}")
+
+    return freed
+
+
+def _release_pending() -> None:
+    """Release the ops of dead classes that nothing uses any more (under _LOCK)."""
+    pending = _PENDING_RELEASE[:]  # a collection during this loop may add more
+    del _PENDING_RELEASE[:]
+    for fn in pending:
+        if all(_C.release_op(ov.handle, 1) for ov in fn.overloads.values()):
+            _forget(fn)
+        else:
+            _PENDING_RELEASE.append(fn)
+
+
+def _forget(fn: OpaqueFunction) -> None:
+    if _BY_OPNAME.get((fn.namespace, fn.name)) is fn:
+        del _BY_OPNAME[(fn.namespace, fn.name)]
+    fn.lib._destroy()
+    from torch._library import simple_registry
+
+    for ov in fn.overloads.values():  # the (now empty) fake-kernel entries
+        for suffix in ("", "_fwd", "_bwd"):
+            base = f"{fn.namespace}::{fn.name}{suffix}"
+            simple_registry.singleton._data.pop(f"{base}.{ov.name}", None)
+            simple_registry.singleton._data.pop(base if not ov.overload else f"{base}.{ov.overload}", None)
+    ns = getattr(torch.ops, fn.namespace)
+    for suffix in ("", "_fwd", "_bwd"):  # torch.ops' caches of the deregistered ops
+        vars(ns).pop(fn.name + suffix, None)
+        if fn.name + suffix in ns._dir:
+            ns._dir.remove(fn.name + suffix)
+    fn.overloads.clear()
+    fn._by_kinds.clear()
+    fn._single = None
+
+
+def _free_name(namespace: str, base: str) -> str:
+    """``base``, or ``base_2``, ``base_3``... when a live class holds it (a factory
+    making one class per call: each gets its own op)."""
+    name, k = base, 1
+    while (namespace, name) in _BY_OPNAME:
+        k += 1
+        name = f"{base}_{k}"
+    return name
 
 
 def _check_wrappable(cls) -> None:
@@ -336,31 +510,37 @@ def wrap(
     error. Returns ``cls``.
     """
     _check_wrappable(cls)
+    ensure_routing()
     with _LOCK:
-        existing = _BY_CLASS.get(cls)
-        op_name = name or default_name(cls)
+        existing = lookup(cls)
         if existing is not None:
             if (name and name != existing.name) or namespace != existing.namespace:
                 raise ValueError(
                     f"torch_opaque: {cls.__qualname__} is already wrapped as "
                     f"{existing.namespace}::{existing.name}; it cannot also be "
-                    f"{namespace}::{op_name}. Wrap it once."
+                    f"{namespace}::{name or default_name(cls)}. Wrap it once."
                 )
             if _patch_apply and not existing.explicit:
                 existing.explicit = True
                 cls.apply = classmethod(_make_apply(cls, existing))
             return cls
-        other = _BY_OPNAME.get((namespace, op_name))
-        if other is not None:
-            raise ValueError(
-                f"torch_opaque: op name {namespace}::{op_name} is already used by "
-                f"{other.cls.__module__}.{other.cls.__qualname__}; pass a different name= "
-                f"for {cls.__module__}.{cls.__qualname__}."
-            )
-        fn = OpaqueFunction(cls, namespace, op_name)
-        _BY_CLASS[cls] = fn
+        if _PENDING_RELEASE:
+            _release_pending()
+        if name:
+            op_name = name
+            other = _BY_OPNAME.get((namespace, op_name))
+            if other is not None:
+                o = other.cls_ref()
+                where = f"{o.__module__}.{o.__qualname__}" if o is not None else "a freed class"
+                raise ValueError(
+                    f"torch_opaque: op name {namespace}::{op_name} is already used by "
+                    f"{where}; pass a different name= for {cls.__module__}.{cls.__qualname__}."
+                )
+        else:
+            op_name = _free_name(namespace, default_name(cls))
+        fn = OpaqueFunction(cls, namespace, op_name, explicit=_patch_apply)
+        _BY_ID[id(cls)] = fn
         _BY_OPNAME[(namespace, op_name)] = fn
-        fn.explicit = _patch_apply
         if _patch_apply:
             cls.apply = classmethod(_make_apply(cls, fn))
     return cls
@@ -379,10 +559,14 @@ def op(cls: Optional[type] = None, *, name: Optional[str] = None, namespace: str
 
 def lookup(cls: type) -> Optional[OpaqueFunction]:
     """The OpaqueFunction of a class wrapped explicitly or met in auto mode, or None."""
-    return _BY_CLASS.get(cls)
+    fn = _BY_ID.get(id(cls))
+    return fn if fn is not None and fn.cls_ref() is cls else None
 
 
 def is_wrapped(cls: type) -> bool:
     """Whether ``cls.apply`` always runs its op (torch_opaque.op / wrap)."""
-    fn = _BY_CLASS.get(cls)
+    fn = lookup(cls)
     return fn is not None and fn.explicit
+
+
+from .hooks import auto as _auto  # noqa: E402  (auto mode calls back into this module)

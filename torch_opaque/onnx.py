@@ -467,7 +467,7 @@ class _Exporter:
         overload = f"{info.overload}_{digest}"
         ident = (info.namespace, info.name, overload)
         if ident not in self.functions:
-            model = self.to_ir(self._trace_body(info, template, fakes))
+            model = self._body_to_ir(info, self._trace_body(info, template, fakes))
             # onnxruntime ignores the overload of calls made inside a function:
             # inline the functions the body calls.
             _add_functions(model, self.functions)
@@ -475,6 +475,25 @@ class _Exporter:
             model.functions.clear()
             self.functions[ident] = _to_function(model, ident, node, template, names)
         return overload
+
+    def _body_to_ir(self, info: OpaqueInfo, body: torch.export.ExportedProgram) -> ir.Model:
+        """The traced forward as ONNX; a forward torch.onnx cannot translate (an SVD,
+        say) is an error that names the Function and the ways out."""
+        try:
+            return self.to_ir(body)
+        except OnnxExportError:
+            raise
+        except Exception as e:
+            qual = info.qualified_name
+            cause = _onnx_cause(e)
+            raise OnnxExportError(
+                f"torch_opaque.onnx: the forward of {qual} ({info.function.display_name}) has "
+                f"no ONNX translation ({cause}), so its ONNX function cannot be built. Pass "
+                f"mapping={{'{qual}': <ONNX op name or onnxscript function>}} (or mapping="
+                f"{{{info.function.display_name}: ...}}) to translate the op yourself, or "
+                f"functions=False to keep a bare custom node (onnxruntime then needs a "
+                f"custom-op kernel for it)."
+            ) from e
 
     def _trace_body(self, info: OpaqueInfo, template, fakes) -> torch.export.ExportedProgram:
         qual = info.qualified_name
@@ -514,6 +533,15 @@ class _Exporter:
                         f"function would be wrong for other sizes. {advice}"
                     )
         return body
+
+
+def _onnx_cause(e: BaseException) -> str:
+    """The innermost reason torch.onnx gives (e.g. "No ONNX function found for
+    <OpOverload(op='aten._linalg_svd', ...)>"), in one line."""
+    while e.__cause__ is not None:
+        e = e.__cause__
+    first = (str(e).strip().splitlines() or [""])[0]
+    return f"{type(e).__name__}: {first}"
 
 
 def _to_function(model: ir.Model, ident: tuple, node: ir.Node, template: list, names: list

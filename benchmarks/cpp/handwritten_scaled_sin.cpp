@@ -1,7 +1,10 @@
-// handwritten::scaled_sin(Tensor x, float scale) -> Tensor, written the usual
-// way: schema, CompositeExplicitAutograd kernel, Meta kernel, an Autograd
-// kernel around a torch::autograd::Function, and a separate backward op
-// (handwritten::scaled_sin_backward) so the backward stays one exportable node.
+// handwritten::scaled_sin(Tensor x, float scale) -> Tensor, the leanest
+// correct way by hand: schemas, CompositeExplicitAutograd kernels (which also
+// serve meta and fake tensors, so no Meta kernel is needed), an Autograd kernel
+// around a torch::autograd::Function, and a separate backward op
+// (handwritten::scaled_sin_backward) so the backward stays one node in
+// compiled graphs. tests/test_cpp_ops.py checks that it passes opcheck, export
+// and compile like the torch_opaque version.
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/autograd.h>
@@ -36,24 +39,6 @@ at::Tensor scaled_sin_backward_kernel(const at::Tensor& grad, const at::Tensor& 
   return grad * at::cos(x) * scale;
 }
 
-// Meta kernels: shape and dtype only (sin/cos promote integral inputs to the
-// default float dtype).
-at::ScalarType sin_dtype(const at::Tensor& x) {
-  return at::isIntegralType(x.scalar_type(), /*includeBool=*/true)
-      ? at::typeMetaToScalarType(at::get_default_dtype())
-      : x.scalar_type();
-}
-
-at::Tensor scaled_sin_meta(const at::Tensor& x, double) {
-  return at::empty_like(x, x.options().dtype(sin_dtype(x)));
-}
-
-at::Tensor scaled_sin_backward_meta(const at::Tensor& grad, const at::Tensor& x, double) {
-  TORCH_CHECK(grad.sym_sizes() == x.sym_sizes(), "scaled_sin_backward: shape mismatch");
-  return at::empty_like(grad, grad.options().dtype(
-                                  at::promote_types(grad.scalar_type(), sin_dtype(x))));
-}
-
 // Autograd.
 class ScaledSinFunction : public torch::autograd::Function<ScaledSinFunction> {
  public:
@@ -85,11 +70,6 @@ TORCH_LIBRARY(handwritten, m) {
 TORCH_LIBRARY_IMPL(handwritten, CompositeExplicitAutograd, m) {
   m.impl("scaled_sin", scaled_sin_kernel);
   m.impl("scaled_sin_backward", scaled_sin_backward_kernel);
-}
-
-TORCH_LIBRARY_IMPL(handwritten, Meta, m) {
-  m.impl("scaled_sin", scaled_sin_meta);
-  m.impl("scaled_sin_backward", scaled_sin_backward_meta);
 }
 
 TORCH_LIBRARY_IMPL(handwritten, Autograd, m) {

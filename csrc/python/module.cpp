@@ -62,6 +62,12 @@ PYBIND11_MODULE(_C, m) {
       },
       py::arg("ns"), py::arg("name"), py::arg("overload"), py::arg("arguments"),
       py::arg("returns"), py::arg("forward"), py::arg("backward"));
+  m.def(
+      "release_op",
+      [](const OpaqueOp& op, long users) { return release_op(op, users); },
+      py::arg("op"), py::arg("users"),
+      "Undo define_op once nothing runs the op (see release_op in opaque_op.h): True "
+      "when released, False while autograd nodes still use it.");
   m.def("run_forward", &run_forward_from_python, py::arg("runner"), py::arg("forward"),
         py::arg("setup_context"), py::arg("needs"), py::arg("args"),
         "Run a kernels.Runner's forward like the real kernel, from Python (Note [Python "

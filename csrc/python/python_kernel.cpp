@@ -291,19 +291,28 @@ c10::IValue matchable(PyObject* a) {
 
 } // namespace
 
-// Kernels live for the rest of the process (see all_ops()), so the specs and
-// their Python objects are deliberately never released: releasing them at
-// exit would need the GIL after the interpreter is gone.
+// The specs hold Python objects, so they are deleted with the GIL held. Most
+// kernels live for the rest of the process (see all_ops()); those of a
+// released op (release_op, called from Python) go when it does. At exit the
+// interpreter may be gone: the specs are then left alone.
+template <typename Spec>
+std::shared_ptr<Spec> python_owned(Spec spec) {
+  return std::shared_ptr<Spec>(new Spec(std::move(spec)), [](Spec* p) {
+    if (!Py_IsInitialized()) return;
+    py::gil_scoped_acquire gil;
+    delete p;
+  });
+}
 
 BoxedKernel make_python_forward(py::object runner) {
-  auto* s = new ForwardSpec(forward_spec(runner));
+  auto s = python_owned(forward_spec(runner));
   return [s](const c10::FunctionSchema& schema, torch::jit::Stack* stack) {
     run_forward(*s, schema, stack);
   };
 }
 
 BoxedKernel make_python_backward(py::object runner) {
-  auto* s = new BackwardSpec(backward_spec(runner));
+  auto s = python_owned(backward_spec(runner));
   return [s](const c10::FunctionSchema&, torch::jit::Stack* stack) { run_backward(*s, stack); };
 }
 

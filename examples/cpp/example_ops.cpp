@@ -19,9 +19,10 @@ TORCH_OPAQUE_DEF(ScaledSin, "example::scaled_sin", "x", "scale");
 
 namespace {
 
-// example::top_value(Tensor x, int dim) -> (Tensor values, Tensor indices)
+// example::top_value(Tensor x, int dim=-1) -> (Tensor values, Tensor indices)
 // The indices are not differentiable.
 struct TopValue {
+  static constexpr const char* output_names[] = {"values", "indices"};
   static std::tuple<at::Tensor, at::Tensor> forward(torch_opaque::Context& ctx,
                                                    const at::Tensor& x, int64_t dim) {
     auto [values, indices] = x.max(dim);
@@ -44,4 +45,4 @@ struct TopValue {
 
 } // namespace
 
-TORCH_OPAQUE_DEF(TopValue, "example::top_value", "x", "dim");
+TORCH_OPAQUE_DEF(TopValue, "example::top_value", "x", "dim=-1");

@@ -37,6 +37,7 @@
 #include <memory>
 #include <sstream>
 #include <string>
+#include <iterator>
 #include <tuple>
 #include <type_traits>
 #include <utility>
@@ -52,6 +53,26 @@ template <class Op>
 struct has_fake<Op, std::void_t<decltype(&Op::fake)>> : std::true_type {};
 
 template <class Op, class = void>
+struct has_output_names : std::false_type {};
+template <class Op>
+struct has_output_names<Op, std::void_t<decltype(std::size(Op::output_names))>>
+    : std::true_type {};
+
+// Whether Op has a member named `forward` at all (also when it is overloaded,
+// where &Op::forward is ambiguous): a base with its own `forward` makes the
+// name ambiguous in Both exactly when Op has one.
+struct ForwardNameProbe {
+  int forward;
+};
+template <class Op>
+struct ForwardNameBoth : Op, ForwardNameProbe {};
+template <class Op, class = void>
+struct names_forward : std::true_type {};
+template <class Op>
+struct names_forward<Op, std::void_t<decltype(&ForwardNameBoth<Op>::forward)>>
+    : std::false_type {};
+
+template <class Op, class = void>
 struct has_forward : std::false_type {};
 template <class Op>
 struct has_forward<Op, std::void_t<decltype(&Op::forward)>> : std::true_type {};
@@ -65,23 +86,26 @@ struct has_backward<Op, std::void_t<decltype(Op::backward(std::declval<Context&>
                                                 std::declval<std::vector<at::Tensor>>())),
                           std::vector<at::Tensor>> {};
 
+template <class Args, size_t I>
+using arg_type_t = typename ForwardArgument<I, std::tuple_element_t<I, Args>>::type;
+
+// The unboxed arguments, in owning storage (see ArgType).
 template <class Args, size_t... I>
-Args unbox(c10::ArrayRef<c10::IValue> in, std::index_sequence<I...>) {
-  return Args{ArgType<std::tuple_element_t<I, Args>>::from(in[I])...};
+std::tuple<typename arg_type_t<Args, I>::storage...> unbox(c10::ArrayRef<c10::IValue> in,
+                                                           std::index_sequence<I...>) {
+  return {arg_type_t<Args, I>::from(in[I])...};
 }
 
 template <class Args, size_t... I>
 std::string schema_arguments(const std::vector<std::string>& names, std::index_sequence<I...>) {
   std::ostringstream ss;
-  ((ss << (I ? ", " : "") << ArgType<std::tuple_element_t<I, Args>>::schema << " "
-       << names[I]),
-   ...);
+  ((ss << (I ? ", " : "") << arg_type_t<Args, I>::schema() << " " << names[I]), ...);
   return ss.str();
 }
 
 template <class Args, size_t... I>
 std::vector<bool> tensor_arguments(std::index_sequence<I...>) {
-  return {ArgType<std::tuple_element_t<I, Args>>::is_tensor...};
+  return {arg_type_t<Args, I>::is_tensor...};
 }
 
 // A forward-like function (forward or fake) as a BoxedKernel of `_fwd`.
@@ -96,7 +120,7 @@ BoxedKernel forward_kernel(Fn fn, std::string op_name) {
     std::optional<std::vector<bool>> needs = take_needs_input_grad();
     const bool recording = needs.has_value();
     Context ctx(recording ? std::move(*needs) : std::vector<bool>(Sig::arity, false));
-    Args args = unbox<Args>(inputs, std::make_index_sequence<Sig::arity>{});
+    auto args = unbox<Args>(inputs, std::make_index_sequence<Sig::arity>{});
     auto result = std::apply([&](auto&... a) { return fn(ctx, a...); }, args);
     finish_forward(op_name, ctx, inputs,
                    ReturnType<typename Sig::result>::flatten(std::move(result)), recording,
@@ -123,9 +147,13 @@ BoxedKernel backward_kernel(std::string op_name, std::vector<bool> tensor_args) 
 template <class Op>
 std::shared_ptr<OpaqueOp> def(const std::string& qualified_name,
                               std::vector<std::string> arg_names = {}) {
-  static_assert(detail::has_forward<Op>::value,
+  static_assert(detail::has_forward<Op>::value || detail::names_forward<Op>::value,
                 "torch_opaque::def<Op>: Op needs `static R forward(torch_opaque::Context& "
                 "ctx, Args... args)`.");
+  static_assert(detail::has_forward<Op>::value || !detail::names_forward<Op>::value,
+                "torch_opaque::def<Op>: Op::forward is overloaded (or a template); an op has "
+                "one schema, so keep exactly one static forward and give the others other "
+                "names (or define one op per overload).");
   static_assert(detail::has_backward<Op>::value,
                 "torch_opaque::def<Op>: Op needs `static std::vector<at::Tensor> "
                 "backward(torch_opaque::Context& ctx, std::vector<at::Tensor> grads)`.");
@@ -152,7 +180,14 @@ std::shared_ptr<OpaqueOp> def(const std::string& qualified_name,
   d.name = rest.substr(0, dot);
   d.overload = dot == std::string::npos ? "" : rest.substr(dot + 1);
   d.arguments = detail::schema_arguments<Args>(arg_names, std::make_index_sequence<n>{});
-  d.returns.assign(detail::ReturnType<typename Sig::result>::count, "Tensor");
+  constexpr size_t n_out = detail::ReturnType<typename Sig::result>::count;
+  d.returns.assign(n_out, "Tensor");
+  if constexpr (detail::has_output_names<Op>::value) {
+    static_assert(std::size(Op::output_names) == n_out,
+                  "torch_opaque::def<Op>: Op::output_names must name each output of forward, "
+                  "in order.");
+    for (size_t k = 0; k < n_out; ++k) d.returns[k] += std::string(" ") + Op::output_names[k];
+  }
   d.forward = detail::forward_kernel(&Op::forward, qualified_name);
   d.backward = detail::backward_kernel<Op>(
       qualified_name, detail::tensor_arguments<Args>(std::make_index_sequence<n>{}));
@@ -174,11 +209,12 @@ constexpr std::integral_constant<size_t, sizeof...(Names)> count_names(const Nam
 // records a failure instead of throwing (Note [Static registration errors]).
 template <class Op, size_t NumNames>
 struct StaticDefinition {
-  static_assert(detail::has_forward<Op>::value,
-                "TORCH_OPAQUE_DEF(Op, ...): Op needs `static R forward(torch_opaque::Context& "
-                "ctx, Args... args)`.");
-  static_assert(NumNames == 0 ||
-                    NumNames == ForwardSignature<decltype(&Op::forward)>::arity,
+  template <class O, class = void>
+  struct arity : std::integral_constant<size_t, NumNames> {};  // reported by def<Op>
+  template <class O>
+  struct arity<O, std::void_t<decltype(&O::forward)>>
+      : std::integral_constant<size_t, ForwardSignature<decltype(&O::forward)>::arity> {};
+  static_assert(NumNames == 0 || NumNames == arity<Op>::value,
                 "TORCH_OPAQUE_DEF(Op, \"ns::name\", names...): give one name per forward "
                 "argument after ctx, in order (or none, for arg0, arg1, ...).");
   StaticDefinition(const char* qualified_name, std::vector<std::string> arg_names) {

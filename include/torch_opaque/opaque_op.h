@@ -80,6 +80,15 @@ std::vector<std::string> take_registration_errors();
 // does nothing when there are none.
 void check_registrations();
 
+// Undoes define_op for an op nothing will run again (the Python front end
+// calls it when a wrapped Function class is garbage collected): drops the
+// reference define_op keeps and, with it, the three registrations. `users` is
+// the number of shared_ptrs the caller still holds itself; when there are
+// more (autograd nodes of live tensors still use the op) nothing changes and
+// false is returned, so the caller can try again later. Call it where the
+// kernels may be destroyed (for Python kernels: with the GIL held).
+bool release_op(const OpaqueOp& op, long users);
+
 class OpaqueOp {
  public:
   const OpDefinition& definition() const { return def_; }
@@ -95,6 +104,8 @@ class OpaqueOp {
   OpaqueOp(OpDefinition def, c10::OperatorHandle op, c10::OperatorHandle fwd,
            c10::OperatorHandle bwd);
   void keep_alive(std::unique_ptr<torch::Library> lib) { lib_ = std::move(lib); }
+  // Internal: used by release_op.
+  void drop_registrations() { lib_.reset(); }
 
  private:
   std::unique_ptr<torch::Library> lib_;

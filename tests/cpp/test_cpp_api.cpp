@@ -95,6 +95,31 @@ struct WeightedSum {
 };
 TORCH_OPAQUE_DEF(WeightedSum, "opaque_cpp_test::weighted_sum", "xs", "w");
 
+// The argument types ATen kernels take: view types, optionals, Scalar, Device.
+struct ManyTypes {
+  static at::Tensor forward(torch_opaque::Context& ctx, const at::Tensor& x,
+                            at::IntArrayRef dims, std::string_view mode,
+                            std::optional<double> scale, std::optional<int64_t> offset,
+                            const at::Scalar& bias, c10::Device device,
+                            std::optional<at::ScalarType> dtype, at::TensorList extra) {
+    at::Tensor y = mode == "sum" ? x.sum(dims, /*keepdim=*/true) : x.amax(dims, true);
+    y = y * scale.value_or(1.0) + offset.value_or(0) + bias;
+    for (const at::Tensor& e : extra) y = y + e.sum();
+    ctx.save_for_backward({x});
+    ctx.saved_data["scale"] = scale.value_or(1.0);
+    return y.to(device, dtype.value_or(y.scalar_type()));
+  }
+  // (the gradient of the "sum" mode)
+  static std::vector<at::Tensor> backward(torch_opaque::Context& ctx,
+                                          std::vector<at::Tensor> g) {
+    const at::Tensor& x = ctx.saved_tensors()[0];
+    return {g[0].expand_as(x) * ctx.saved_data["scale"].toDouble(), at::Tensor(), at::Tensor(), at::Tensor(),
+            at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+TORCH_OPAQUE_DEF(ManyTypes, "opaque_cpp_test::many_types", "x", "dims", "mode", "scale",
+                 "offset", "bias", "device", "dtype", "extra");
+
 c10::OperatorHandle find(const char* name) {
   return c10::Dispatcher::singleton().findSchemaOrThrow(name, "");
 }
@@ -115,6 +140,27 @@ TEST(CppApi, SchemasAreInferredFromSignatures) {
   EXPECT_EQ(c10::toString(find("opaque_cpp_test::weighted_max").schema()),
             "opaque_cpp_test::weighted_max(Tensor x, Tensor? weight, int dim) -> (Tensor, Tensor)");
   EXPECT_TRUE(c10::Dispatcher::singleton().findSchema({"opaque_cpp_test::scaled_sin_bwd", ""}));
+}
+
+TEST(CppApi, ArgumentTypesOfAtenKernels) {
+  EXPECT_EQ(c10::toString(find("opaque_cpp_test::many_types").schema()),
+            "opaque_cpp_test::many_types(Tensor x, int[] dims, str mode, float? scale, "
+            "int? offset, Scalar bias, Device device, ScalarType? dtype, Tensor[] extra) -> "
+            "Tensor");
+  auto x = torch::randn({2, 3}).requires_grad_();
+  auto extra = c10::List<at::Tensor>({torch::ones({2})});
+  auto y = call("opaque_cpp_test::many_types",
+                {x, std::vector<int64_t>{1}, std::string("sum"), 2.0, c10::IValue(),
+                 at::Scalar(3), c10::Device("cpu"), c10::IValue(), extra})[0];
+  EXPECT_TRUE(torch::allclose(y, x.detach().sum({1}, true) * 2 + 3 + 2));
+  auto g = torch::autograd::grad({y.sum()}, {x})[0];
+  EXPECT_TRUE(torch::allclose(g, torch::full_like(x, 2.0)));
+  auto z = call("opaque_cpp_test::many_types",
+                {x.detach(), std::vector<int64_t>{0}, std::string("max"), c10::IValue(),
+                 int64_t(1), at::Scalar(0.5), c10::Device("cpu"), at::kDouble,
+                 c10::List<at::Tensor>()})[0];
+  EXPECT_EQ(z.scalar_type(), at::kDouble);
+  EXPECT_TRUE(torch::allclose(z, (x.detach().amax({0}, true) + 1.5).to(at::kDouble)));
 }
 
 TEST(CppApi, ForwardValuesAndGradientsMatchFiniteDifferences) {

@@ -12,6 +12,7 @@
 
 #include <optional>
 #include <string>
+#include <string_view>
 #include <tuple>
 #include <type_traits>
 #include <vector>
@@ -24,41 +25,86 @@ using bare_t = std::remove_cv_t<std::remove_reference_t<T>>;
 template <class T>
 struct always_false : std::false_type {};
 
+// ArgType<T>: `schema()` (the schema type), `is_tensor` (a differentiable
+// tensor argument), `storage` (what holds the unboxed value while forward runs:
+// an owning type, so view types such as at::IntArrayRef or std::string_view
+// point into it) and `from(IValue)`.
 template <class T, class Enable = void>
 struct ArgType {
-  static_assert(always_false<T>::value,
-                "torch_opaque: unsupported forward argument type. Use at::Tensor, "
-                "std::optional<at::Tensor>, std::vector<at::Tensor>, int64_t, c10::SymInt, "
-                "double, bool, std::string, at::ScalarType, std::vector<int64_t>, "
-                "std::vector<c10::SymInt>, std::vector<double> or std::vector<bool> "
-                "(const references allowed).");
+  static constexpr bool supported = false;
 };
 
-#define TORCH_OPAQUE_ARG(CPP, SCHEMA, IS_TENSOR, EXPR)            \
+template <class T>
+struct is_supported_arg : std::bool_constant<ArgType<T>::supported> {};
+
+#define TORCH_OPAQUE_ARG(CPP, STORAGE, SCHEMA, IS_TENSOR, EXPR)     \
   template <>                                                       \
   struct ArgType<CPP> {                                             \
-    using storage = CPP;                                            \
-    static constexpr const char* schema = SCHEMA;                   \
+    static constexpr bool supported = true;                         \
+    using storage = STORAGE;                                        \
+    static std::string schema() { return SCHEMA; }                  \
     static constexpr bool is_tensor = IS_TENSOR;                    \
     static storage from(const c10::IValue& v) { return EXPR; }      \
   };
 
-TORCH_OPAQUE_ARG(at::Tensor, "Tensor", true, v.toTensor())
-TORCH_OPAQUE_ARG(std::optional<at::Tensor>, "Tensor?", true,
+TORCH_OPAQUE_ARG(at::Tensor, at::Tensor, "Tensor", true, v.toTensor())
+TORCH_OPAQUE_ARG(std::optional<at::Tensor>, std::optional<at::Tensor>, "Tensor?", true,
                  v.isNone() ? std::optional<at::Tensor>() : std::optional<at::Tensor>(v.toTensor()))
-TORCH_OPAQUE_ARG(std::vector<at::Tensor>, "Tensor[]", false, v.toTensorVector())
-TORCH_OPAQUE_ARG(int64_t, "int", false, v.toInt())
-TORCH_OPAQUE_ARG(c10::SymInt, "SymInt", false, v.toSymInt())
-TORCH_OPAQUE_ARG(double, "float", false, v.toDouble())
-TORCH_OPAQUE_ARG(bool, "bool", false, v.toBool())
-TORCH_OPAQUE_ARG(std::string, "str", false, v.toStringRef())
-TORCH_OPAQUE_ARG(at::ScalarType, "ScalarType", false, v.toScalarType())
-TORCH_OPAQUE_ARG(std::vector<int64_t>, "int[]", false, v.toIntVector())
-TORCH_OPAQUE_ARG(std::vector<c10::SymInt>, "SymInt[]", false, v.toSymIntVector())
-TORCH_OPAQUE_ARG(std::vector<double>, "float[]", false, v.toDoubleVector())
-TORCH_OPAQUE_ARG(std::vector<bool>, "bool[]", false,
+TORCH_OPAQUE_ARG(std::vector<at::Tensor>, std::vector<at::Tensor>, "Tensor[]", false,
+                 v.toTensorVector())
+TORCH_OPAQUE_ARG(at::TensorList, std::vector<at::Tensor>, "Tensor[]", false, v.toTensorVector())
+TORCH_OPAQUE_ARG(int64_t, int64_t, "int", false, v.toInt())
+TORCH_OPAQUE_ARG(c10::SymInt, c10::SymInt, "SymInt", false, v.toSymInt())
+TORCH_OPAQUE_ARG(double, double, "float", false, v.toDouble())
+TORCH_OPAQUE_ARG(bool, bool, "bool", false, v.toBool())
+TORCH_OPAQUE_ARG(std::string, std::string, "str", false, v.toStringRef())
+TORCH_OPAQUE_ARG(std::string_view, std::string, "str", false, v.toStringRef())
+TORCH_OPAQUE_ARG(at::Scalar, at::Scalar, "Scalar", false, v.toScalar())
+TORCH_OPAQUE_ARG(at::ScalarType, at::ScalarType, "ScalarType", false, v.toScalarType())
+TORCH_OPAQUE_ARG(c10::Device, c10::Device, "Device", false, v.toDevice())
+TORCH_OPAQUE_ARG(at::Layout, at::Layout, "Layout", false, v.toLayout())
+TORCH_OPAQUE_ARG(std::vector<int64_t>, std::vector<int64_t>, "int[]", false, v.toIntVector())
+TORCH_OPAQUE_ARG(at::IntArrayRef, std::vector<int64_t>, "int[]", false, v.toIntVector())
+TORCH_OPAQUE_ARG(std::vector<c10::SymInt>, std::vector<c10::SymInt>, "SymInt[]", false,
+                 v.toSymIntVector())
+TORCH_OPAQUE_ARG(c10::SymIntArrayRef, std::vector<c10::SymInt>, "SymInt[]", false,
+                 v.toSymIntVector())
+TORCH_OPAQUE_ARG(std::vector<double>, std::vector<double>, "float[]", false, v.toDoubleVector())
+TORCH_OPAQUE_ARG(c10::ArrayRef<double>, std::vector<double>, "float[]", false,
+                 v.toDoubleVector())
+TORCH_OPAQUE_ARG(std::vector<bool>, std::vector<bool>, "bool[]", false,
                  std::vector<bool>(v.toBoolList().begin(), v.toBoolList().end()))
 #undef TORCH_OPAQUE_ARG
+
+// std::optional<T> of any supported non-tensor T: "T?" (None -> std::nullopt).
+template <class T>
+struct ArgType<std::optional<T>,
+               std::enable_if_t<ArgType<T>::supported && !ArgType<T>::is_tensor>> {
+  static constexpr bool supported = true;
+  using storage = std::optional<typename ArgType<T>::storage>;
+  static std::string schema() { return ArgType<T>::schema() + "?"; }
+  static constexpr bool is_tensor = false;
+  static storage from(const c10::IValue& v) {
+    return v.isNone() ? storage() : storage(ArgType<T>::from(v));
+  }
+};
+
+// Instantiated once per forward argument: when a type is not supported, the
+// compiler's "in instantiation of ForwardArgument<I, T>" line names the
+// argument's position (after ctx, from 0) and its type.
+template <size_t I, class T>
+struct ForwardArgument {
+  static_assert(is_supported_arg<T>::value,
+                "torch_opaque: unsupported forward argument type (its position and type are "
+                "in the `ForwardArgument<position, type>` line above). Use at::Tensor, "
+                "std::optional<at::Tensor>, std::vector<at::Tensor> / at::TensorList, int64_t, "
+                "c10::SymInt, double, bool, std::string / std::string_view, at::Scalar, "
+                "at::ScalarType, c10::Device, at::Layout, std::vector<int64_t> / "
+                "at::IntArrayRef, std::vector<c10::SymInt> / c10::SymIntArrayRef, "
+                "std::vector<double>, std::vector<bool>, or std::optional of a non-tensor one "
+                "(const references allowed).");
+  using type = ArgType<T>;
+};
 
 // Returns: one Tensor, or a std::tuple of Tensors.
 template <class R>

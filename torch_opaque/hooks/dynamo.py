@@ -1,0 +1,234 @@
+"""Routing Dynamo's handling of ``Cls.apply`` to the op of a wrapped class.
+
+Note [Dynamo and wrapped classes]
+Dynamo does not call ``Cls.apply`` for a torch.autograd.Function subclass: it
+recognises the class (and aliases ``f = Cls.apply``, by comparing ``f`` with
+``Cls.apply``) and speculates forward/backward into its own higher-order op
+(torch/_dynamo/variables/misc.py, AutogradFunctionVariable.call_apply).
+For wrapped classes (and, inside ``torch_opaque.auto()``, every eligible
+class) we replace that step: the argument trackers' example values pick the
+overload (defining it if needed, outside the traced program), and the call is
+emitted as a call of that OpOverload, so the graph holds one op node.
+
+An alias bound before ``wrap`` is a bound method of the rerouted
+``Function.apply`` (Note [Apply interception]) while ``Cls.apply`` is now
+the C-level DirectApply, so Dynamo's alias comparison fails and it would
+inline the trampoline. ``UserMethodVariable.call_function`` is therefore
+patched too: a call of that function bound to a Function class goes to the
+class's ``call_apply`` like any other apply call.
+
+Installation is lazy: ``import torch_opaque`` does not import torch._dynamo
+(about a second and 70 MiB). ``install_when_dynamo_loads`` patches at once
+if Dynamo is already loaded, else adds a ``sys.meta_path`` finder that
+patches right after ``torch._dynamo`` finishes importing.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import sys
+import warnings
+
+import torch
+
+_installed = False
+
+
+def _example(vt):
+    from torch._dynamo.variables import SymNodeVariable
+    from torch._dynamo.variables.lists import BaseListVariable, SizeVariable, TupleVariable
+
+    if vt.is_tensor():
+        return vt.as_proxy().node.meta["example_value"]
+    if isinstance(vt, SymNodeVariable):
+        return vt.sym_num
+    if isinstance(vt, SizeVariable):
+        return torch.Size(_example(x) for x in vt.items)
+    if isinstance(vt, BaseListVariable):
+        items = [_example(x) for x in vt.items]
+        return tuple(items) if isinstance(vt, TupleVariable) else items
+    if vt.is_python_constant():
+        return vt.as_python_constant()
+    from ..errors import SchemaError
+
+    raise SchemaError(
+        f"torch_opaque: cannot pass {vt.debug_repr() if hasattr(vt, 'debug_repr') else vt} "
+        f"to an opaque op while tracing with Dynamo; pass tensors and plain values."
+    )
+
+
+def _arg_trackers(fn, tx, args, kwargs) -> list:
+    from torch._dynamo.variables import ConstantVariable, VariableTracker
+
+    if kwargs:
+        bound = fn.signature.bind(*args, **kwargs)
+        arg_vts = []
+        for n in fn.arg_names:
+            if n in bound.arguments:
+                arg_vts.append(bound.arguments[n])
+            else:
+                arg_vts.append(ConstantVariable.create(fn.defaults[n]))
+        return arg_vts
+    arg_vts = list(args)
+    for n in fn.arg_names[len(arg_vts) :]:
+        if n not in fn.defaults:
+            raise TypeError(f"{fn.display_name}.apply() missing argument '{n}'")
+        arg_vts.append(VariableTracker.build(tx, fn.defaults[n]))
+    return arg_vts
+
+
+def _check_traceable(fn, ov, examples) -> None:
+    """Auto mode, first trace of an overload: run its fake forward (recording
+    ctx) so a failure falls back before anything is emitted."""
+    from .auto import check_recording
+
+    check_recording(ov, examples)
+    fn.auto_checked.add(ov.name)
+
+
+def _emit(tx, fn, arg_vts, ov):
+    from torch._dynamo.variables import VariableTracker
+    from torch._dynamo.variables.lists import TupleVariable
+
+    op_vt = VariableTracker.build(tx, ov.op)
+    out = op_vt.call_function(tx, arg_vts, {})
+    if ov.returns_tuple and ov.n_out == 1:
+        out = TupleVariable([out])
+    return out
+
+
+def _routed_call_apply(original):
+    from . import auto
+
+    def call_apply(self, tx, args, kwargs):
+        cls = self.fn_cls
+        fn = auto.routed(cls)
+        if fn is None:
+            if auto.active():
+                auto.warn_if_traced_inline(cls)
+            return original(self, tx, args, kwargs)
+        if fn.explicit:
+            arg_vts = _arg_trackers(fn, tx, args, kwargs)
+            ov = fn.overload_for([_example(vt) for vt in arg_vts])
+            return _emit(tx, fn, arg_vts, ov)
+        try:  # Note [Auto fall-back]: nothing is emitted before this succeeds
+            arg_vts = _arg_trackers(fn, tx, args, kwargs)
+            examples = [_example(vt) for vt in arg_vts]
+            ov = fn.overload_for(examples)
+            if ov.name not in fn.auto_checked:
+                _check_traceable(fn, ov, examples)
+        except Exception as e:
+            auto.fall_back(cls, auto._why(e))
+            auto.warn_if_traced_inline(cls)
+            return original(self, tx, args, kwargs)
+        return _emit(tx, fn, arg_vts, ov)
+
+    return call_apply
+
+
+def _function_class(vt):
+    """The Function class a variable tracker stands for, or None."""
+    cls = getattr(vt, "fn_cls", None) or getattr(vt, "value", None)
+    return cls if isinstance(cls, torch.autograd.function.FunctionMeta) else None
+
+
+def _as_apply_call(tx, cls_vt, args, kwargs):
+    from torch._dynamo.variables.misc import AutogradFunctionVariable
+
+    cls = _function_class(cls_vt)
+    vt = cls_vt if isinstance(cls_vt, AutogradFunctionVariable) else None
+    if vt is None:
+        vt = AutogradFunctionVariable(cls, source=getattr(cls_vt, "source", None))
+    return vt.call_apply(tx, list(args), dict(kwargs))
+
+
+def _routed_function_call(original):
+    """Calls of the rerouted Function.apply that Dynamo did not recognise as
+    ``Cls.apply`` (an alias bound before wrap): the class's call_apply."""
+    from .apply import is_apply
+
+    def call_function(self, tx, args, kwargs):
+        if is_apply(getattr(self, "fn", None)):
+            obj = getattr(self, "obj", None)
+            if obj is not None and _function_class(obj) is not None:
+                return _as_apply_call(tx, obj, args, kwargs)
+            if obj is None and args and _function_class(args[0]) is not None:
+                return _as_apply_call(tx, args[0], args[1:], kwargs)
+        return original(self, tx, args, kwargs)
+
+    return call_function
+
+
+def install() -> None:
+    """Patch Dynamo once; a warning and no patch when its internals are not as expected."""
+    global _installed
+    if _installed:
+        return
+    _installed = True
+    try:
+        from torch._dynamo.variables.functions import UserFunctionVariable, UserMethodVariable
+        from torch._dynamo.variables.misc import AutogradFunctionVariable
+    except Exception as e:  # pragma: no cover - Dynamo unavailable
+        warnings.warn(f"torch_opaque: Dynamo hooks not installed ({e}); compile inlines wrapped Functions.")
+        return
+    missing = [
+        f"{c.__name__}.{m}"
+        for c, m in (
+            (AutogradFunctionVariable, "call_apply"),
+            (UserMethodVariable, "call_function"),
+            (UserFunctionVariable, "call_function"),
+        )
+        if not callable(c.__dict__.get(m))
+    ]
+    if missing:  # pragma: no cover - another torch version
+        warnings.warn(
+            f"torch_opaque: torch {torch.__version__} has no {', '.join(missing)}; wrapped "
+            f"Functions are not routed under torch.compile / strict export. Use non-strict "
+            f"export, or report this torch version."
+        )
+        return
+    AutogradFunctionVariable.call_apply = _routed_call_apply(AutogradFunctionVariable.call_apply)
+    UserMethodVariable.call_function = _routed_function_call(UserMethodVariable.call_function)
+    UserFunctionVariable.call_function = _routed_function_call(UserFunctionVariable.call_function)
+
+
+class _DynamoWatcher(importlib.abc.MetaPathFinder):
+    """Installs the hook right after ``torch._dynamo`` has been imported."""
+
+    def find_spec(self, name, path, target=None):
+        if name != "torch._dynamo":
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(name, path, target)
+            if spec is not None:
+                break
+        else:
+            return None
+        loader = spec.loader
+        exec_module = loader.exec_module
+
+        def exec_then_install(module):
+            exec_module(module)
+            _remove_watcher()
+            install()
+
+        loader.exec_module = exec_then_install
+        return spec
+
+
+_WATCHER = _DynamoWatcher()
+
+
+def _remove_watcher() -> None:
+    if _WATCHER in sys.meta_path:
+        sys.meta_path.remove(_WATCHER)
+
+
+def install_when_dynamo_loads() -> None:
+    """Install now if torch._dynamo is loaded, else when it is first imported."""
+    if "torch._dynamo" in sys.modules and hasattr(sys.modules["torch._dynamo"], "reset"):
+        install()
+    elif _WATCHER not in sys.meta_path:
+        sys.meta_path.insert(0, _WATCHER)
