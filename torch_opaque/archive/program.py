@@ -52,18 +52,9 @@ import pickle
 import re
 from typing import Optional
 
+import functools
+
 import torch
-from torch._export.serde import schema as serde_schema
-from torch._export.serde.serialize import (
-    _SYM_OPS,
-    ExportedProgramDeserializer,
-    _dict_to_dataclass,
-    deserialize_device,
-    deserialize_scalar_type,
-    deserialize_size,
-    deserialize_storage_offset,
-    deserialize_stride,
-)
 
 from ..errors import ArchiveError
 from .zipio import ZipReader
@@ -76,12 +67,21 @@ _OP_TARGET_RE = re.compile(r"^torch\.ops\.[A-Za-z_][A-Za-z0-9_]*\.[A-Za-z_][A-Za
 _PAYLOAD_NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,256}$")
 
 
-def _serialized_name(op) -> str:
-    return f"{op.__module__}.{op.__name__}"
+def _serde():
+    """torch's export serialization (imported on first use: it imports Dynamo,
+    which ``import torch_opaque`` must not)."""
+    from torch._export.serde import schema, serialize
+
+    return schema, serialize
 
 
-SYM_TARGETS = {_serialized_name(op): op for op in _SYM_OPS}
-SYM_TARGETS["_operator.getitem"] = operator.getitem
+@functools.lru_cache(maxsize=None)
+def sym_targets() -> dict:
+    """Serialized name -> function, for the symbolic-size operators torch writes."""
+    _, serialize = _serde()
+    out = {f"{op.__module__}.{op.__name__}": op for op in serialize._SYM_OPS}
+    out["_operator.getitem"] = operator.getitem
+    return out
 
 # ---- symbolic expressions ------------------------------------------------------------------
 
@@ -192,7 +192,7 @@ def check_model_json(model, where: str, description: str, rename: dict) -> None:
         if isinstance(o, dict):
             if "target" in o and "inputs" in o and "outputs" in o:
                 t = o["target"]
-                if not isinstance(t, str) or not (_OP_TARGET_RE.match(t) or t in SYM_TARGETS):
+                if not isinstance(t, str) or not (_OP_TARGET_RE.match(t) or t in sym_targets()):
                     raise ArchiveError(
                         f"torch_opaque.load: {where} in {description} calls {t!r}, which is "
                         f"not an operator; only torch.ops.<namespace>.<op>.<overload> and "
@@ -235,8 +235,7 @@ def check_graph(ep, where: str, description: str) -> None:
                 bad = node.target
             elif node.op == "call_function" and not (
                 isinstance(node.target, (torch._ops.OpOverload, torch._ops.HigherOrderOperator))
-                or node.target in _SYM_OPS
-                or node.target is operator.getitem
+                or node.target in sym_targets().values()
             ):
                 bad = node.target
             else:
@@ -298,8 +297,9 @@ def _payloads(z: ZipReader, root: str, kind_dir: str, config_name: str, model: s
     config_entry = f"{root}{kind_dir}{config_name.format(model)}"
     if config_entry not in z.infos:
         return {}
+    serde_schema, serialize = _serde()
     try:
-        config = _dict_to_dataclass(
+        config = serialize._dict_to_dataclass(
             serde_schema.PayloadConfig, parse_json(z.text(config_entry, "model"), config_entry, description)
         )
         items = list(config.config.items())
@@ -330,11 +330,11 @@ def _payloads(z: ZipReader, root: str, kind_dir: str, config_name: str, model: s
             tm = meta.tensor_meta
             if tm is None:
                 raise ValueError("it has no tensor metadata")
-            dtype = deserialize_scalar_type(tm.dtype)
-            device = deserialize_device(tm.device)
+            dtype = serialize.deserialize_scalar_type(tm.dtype)
+            device = serialize.deserialize_device(tm.device)
             if path not in storages:
                 nbytes = z.check(entry, "tensors")
-                size = deserialize_size(tm.sizes)
+                size = serialize.deserialize_size(tm.sizes)
                 if nbytes == 0:
                     flat = torch.zeros(size, dtype=dtype).reshape(-1)
                 else:
@@ -345,9 +345,9 @@ def _payloads(z: ZipReader, root: str, kind_dir: str, config_name: str, model: s
                 storages[path] = flat
             t = torch.as_strided(
                 storages[path],
-                deserialize_size(tm.sizes),
-                deserialize_stride(tm.strides),
-                deserialize_storage_offset(tm.storage_offset),
+                serialize.deserialize_size(tm.sizes),
+                serialize.deserialize_stride(tm.strides),
+                serialize.deserialize_storage_offset(tm.storage_offset),
             )
             if device != torch.device("cpu"):
                 t = t.to(device)
@@ -414,9 +414,10 @@ def deserialize(model_json, tensors: tuple, description: str, where: str, rename
     and its (state_dict, constants); no sample inputs."""
     check_model_json(model_json, where, description, rename)
     state_dict, constants = tensors
+    serde_schema, serialize = _serde()
     try:
-        serialized = _dict_to_dataclass(serde_schema.ExportedProgram, model_json)
-        ep = ExportedProgramDeserializer(None).deserialize(serialized, state_dict, constants, None)
+        serialized = serialize._dict_to_dataclass(serde_schema.ExportedProgram, model_json)
+        ep = serialize.ExportedProgramDeserializer(None).deserialize(serialized, state_dict, constants, None)
     except ArchiveError:
         raise
     except Exception as e:
