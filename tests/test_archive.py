@@ -209,7 +209,7 @@ def test_allow_a_single_module_name(saved, tmp_path):
     ],
 )
 def test_allow_list_matching(allow, allow_all, allowed):
-    from torch_opaque.archive import _allowed
+    from torch_opaque.archive.loading import _allowed
 
     assert _allowed(FIXTURE_MODULE, allow, allow_all) is allowed
     assert _allowed("__main__", allow, True) is False  # never importable
@@ -315,17 +315,22 @@ def test_self_contained_nested_ops_and_uncovered_calls(tmp_path):
     torch.testing.assert_close(y, (x ** 3 + x).sum(-1))
     y.sum().backward()
     torch.testing.assert_close(x.grad, 3 * x.detach() ** 2 + 1)
+    # the graph calls the stored overload (Note [Stored ops beside real ones])
+    (target,) = [n.target for n in ep.graph.nodes if "ArchOuter" in str(n.target)]
     try:
-        torch.ops.opaque.ArchOuter.Tensor(torch.randn(3, 6, dtype=torch.float64))
+        target(torch.randn(3, 6, dtype=torch.float64))
     except RuntimeError as e:
         message = str(e)
-    print(json.dumps({"message": message,
+    print(json.dumps({"message": message, "overload": target._overloadname,
+                      "real_free": not hasattr(torch.ops.opaque.ArchOuter, "Tensor"),
                       "imported": [m for m in sys.modules if m.startswith("opaque_fixtures")]}))
     """
     out = last_json(run_script(code, [tmp_path / "nested.pt2"], tmp_path, with_fixtures=False))
     assert out["imported"] == []
     assert "re-created from the stored programs" in out["message"]
     assert "x: float32[*, 6]" in out["message"] and "x: float64[3, 6]" in out["message"]
+    assert "opaque::ArchOuter.Tensor was re-created" in out["message"]
+    assert out["overload"].startswith("Tensor_stored_") and out["real_free"]
 
 
 def test_self_contained_prefers_the_allowed_module(saved, tmp_path):

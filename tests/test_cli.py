@@ -218,3 +218,13 @@ def test_errors(files, tmp_path, capsys):
     bad_onnx.write_bytes(b"\x08\x07garbage")
     assert cli.main(["inspect", str(bad_onnx)]) == 1
     assert "cannot read ONNX model" in capsys.readouterr().err
+
+
+def test_size_limit_option(files, capsys):
+    from torch_opaque import cli
+
+    assert cli.main(["inspect", str(files / "net.pt2"), "--max-size", "1000"]) == 1
+    err = capsys.readouterr().err
+    assert "inflates to" in err and "more than the manifest limit of 1000 bytes" in err
+    assert cli.main(["inspect", str(files / "net.pt2"), "--max-size", str(1 << 20)]) == 0
+    assert "opaque::ArchCube" in capsys.readouterr().out

@@ -1,4 +1,4 @@
-"""``python -m torch_opaque inspect FILE [--graph OUT]`` (see torch_opaque/cli.py)."""
+"""``python -m torch_opaque inspect FILE [--graph OUT]`` (see torch_opaque/cli/)."""
 
 import sys
 

@@ -97,12 +97,9 @@ def _defined_by(info: OpaqueInfo) -> Optional[str]:
     if info.function is not None:
         cls = info.function.cls
         return f"{cls.__module__}.{cls.__qualname__}"
-    from .stored_ops import _STORED
+    from .archive.stored import defined_by
 
-    stored = _STORED.get((info.namespace, info.name))
-    if stored is not None and stored.entry.get("module"):
-        return f"{stored.entry['module']}.{stored.entry.get('class')}"
-    return None
+    return defined_by(info.namespace, info.name)
 
 
 def list_opaque_ops(ep) -> list:
@@ -213,7 +210,7 @@ def _chooser(ops, nodes: list) -> Callable[[OpaqueInfo], bool]:
 
 
 def _full_args(schema, args, kwargs) -> list:
-    from .archive_format import _full_args as full
+    from .archive.values import full_args as full
 
     return full(schema, args, kwargs)
 
@@ -258,7 +255,7 @@ def _python_decomposition(info: OpaqueInfo) -> Optional[Callable]:
 
 def _stored_decomposition(info: OpaqueInfo) -> Optional[Callable]:
     """The forward of an op re-created from a self-contained archive."""
-    from .stored_ops import stored_overload
+    from .archive.stored import stored_overload
 
     sov = stored_overload(info.namespace, info.name, info.overload)
     if sov is None:

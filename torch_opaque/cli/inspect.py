@@ -1,13 +1,14 @@
-"""``python -m torch_opaque inspect FILE [--graph OUT]``.
+"""``python -m torch_opaque inspect FILE [--graph OUT]``: the tables and pictures.
 
 Lists the custom operators of a .pt2 archive (written by ``torch_opaque.save``
 or plain ``torch.export.save``) or of an .onnx model, and optionally draws the
 graph with those operators highlighted (Graphviz: .svg, .png, .dot, or a
 self-contained .html page).
 
-Inspecting never imports user code: a .pt2 is read as data (the torch_opaque
-manifest and the serialized graph JSON), never deserialized; an .onnx file is
-parsed with the ``onnx`` package.
+Inspecting never imports user code and runs nothing from the file: a .pt2 is
+read as data within size limits (the torch_opaque manifest, through the same
+reader as ``torch_opaque.load``, and the serialized graph JSON), never
+deserialized or unpickled; an .onnx file is parsed with the ``onnx`` package.
 
 Columns for a .pt2: the called operator, its schema (from the manifest; for
 operators the manifest does not describe, inferred from the serialized call),
@@ -26,11 +27,15 @@ import os
 import sys
 from typing import Optional
 
+from ..errors import ArchiveError, TorchOpaqueError
+from ..archive.reader import json_nodes, read_archive
+from ..archive.zipio import ArchiveLimits
+
 STANDARD_ONNX_DOMAINS = ("", "ai.onnx", "ai.onnx.ml")
 
 
-class InspectError(Exception):
-    pass
+class InspectError(TorchOpaqueError):
+    """A file ``inspect`` cannot read or draw; the message says why."""
 
 
 # ---- tables ------------------------------------------------------------------------------------
@@ -97,35 +102,33 @@ def _inferred_schema(target: str, node: dict) -> str:
 
 
 def _first_nodes(contents) -> dict:
-    from .archive_format import _json_nodes
-
     first: dict = {}
     for model in contents.models.values():
-        for node in _json_nodes(model):
+        for node in json_nodes(model):
             t = node.get("target")
             if isinstance(t, str):
                 first.setdefault(t, node)
     return first
 
 
-def inspect_pt2(path: str) -> str:
-    from .archive_format import read_archive
-
-    contents = read_archive(path)
+def inspect_pt2(path: str, limits: Optional[ArchiveLimits] = None) -> str:
+    contents = read_archive(path, limits)
     counts = contents.custom_targets()
     first = _first_nodes(contents)
     manifest = contents.manifest
     described: dict = {}  # "ns::Name[_fwd|_bwd].overload" -> (schema, stored, defined_by)
     if manifest is not None:
-        for op in manifest["ops"]:
-            cls = op.get("class")
-            by = f"{op['module']}.{cls}" if op.get("module") else "C++"
-            for ov in op["overloads"]:
-                stored = "yes (stored)" if ov.get("variants") else "no"
-                for suffix, key in (("", "schema"), ("_fwd", "fwd_schema"), ("_bwd", "bwd_schema")):
-                    target = f"torch.ops.{op['namespace']}.{op['name']}{suffix}.{ov['overload']}"
-                    schema = ov.get(key) or ov["schema"]
-                    described[target] = (schema, stored, by, ov.get("calls", {}))
+        for op in manifest.ops:
+            by = f"{op.module}.{op.cls}" if op.module else "C++"
+            for ov in op.overloads:
+                stored = "yes (stored)" if ov.variants else "no"
+                for suffix, schema, role in (
+                    ("", ov.schema, "op"),
+                    ("_fwd", ov.fwd_schema or ov.schema, "fwd"),
+                    ("_bwd", ov.bwd_schema or ov.schema, "bwd"),
+                ):
+                    target = f"torch.ops.{op.namespace}.{op.name}{suffix}.{ov.overload}"
+                    described[target] = (schema, stored, by, getattr(ov.calls, role))
     rows = []
     listed = {t for t in described if _manifest_calls(described[t], t) or _is_main(t)}
     for target in sorted(set(counts) | listed):
@@ -138,10 +141,10 @@ def inspect_pt2(path: str) -> str:
             stored, by = "no", "?"
         rows.append([f"{ns}::{name}.{overload}", schema, str(counts.get(target, 0)), stored, by])
     if manifest is not None:
-        kind = "torch_opaque archive" + (", self-contained" if manifest.get("self_contained") else "")
+        kind = "torch_opaque archive" + (", self-contained" if manifest.self_contained else "")
         head = (
-            f"{contents.path}: {kind} (saved with torch {manifest.get('torch_version', '?')}), "
-            f"{len(manifest['ops'])} opaque op(s)"
+            f"{contents.path}: {kind} (saved with torch {manifest.torch_version}), "
+            f"{len(manifest.ops)} opaque op(s)"
         )
     else:
         head = (
@@ -160,16 +163,12 @@ def _is_main(target: str) -> bool:
 
 
 def _manifest_calls(desc, target: str) -> int:
-    calls = desc[3]
-    role = "fwd" if "_fwd." in target else "bwd" if "_bwd." in target else "op"
-    return int(calls.get(role, 0)) if isinstance(calls, dict) else 0
+    return desc[3]
 
 
-def _pt2_graph(path: str):
+def _pt2_graph(path: str, limits: Optional[ArchiveLimits] = None):
     """(nodes, edges) of the first model: nodes are (id, label, kind)."""
-    from .archive_format import read_archive
-
-    contents = read_archive(path)
+    contents = read_archive(path, limits)
     if not contents.models:
         raise InspectError(f"{path} holds no serialized graph to draw")
     name = "model" if "model" in contents.models else sorted(contents.models)[0]
@@ -185,9 +184,9 @@ def _pt2_graph(path: str):
                     kinds[x] = "param" if k != "user_input" else "input"
     opaque = set()
     if contents.manifest is not None:
-        for op in contents.manifest["ops"]:
+        for op in contents.manifest.ops:
             for s in ("", "_fwd", "_bwd"):
-                opaque.add(f"{op['namespace']}.{op['name']}{s}")
+                opaque.add(f"{op.namespace}.{op.name}{s}")
     nodes, edges, producer = [], [], {}
     for i, inp in enumerate(graph["inputs"]):
         for n in _names(inp):
@@ -366,8 +365,8 @@ def _digraph(nodes, edges, title: str):
     return dot
 
 
-def draw(path: str, out: str, kind: str, table: str) -> None:
-    nodes, edges = _onnx_graph(path) if kind == "onnx" else _pt2_graph(path)
+def draw(path: str, out: str, kind: str, table: str, limits: Optional[ArchiveLimits] = None) -> None:
+    nodes, edges = _onnx_graph(path) if kind == "onnx" else _pt2_graph(path, limits)
     dot = _digraph(nodes, edges, os.path.basename(path) + " (custom ops highlighted)")
     ext = os.path.splitext(out)[1].lower()
     if ext == ".dot" or ext == ".gv":
@@ -417,44 +416,22 @@ def _kind(path: str) -> str:
     return "onnx" if magic[:1] == b"\x08" else "pt2"  # ModelProto starts with ir_version
 
 
-def inspect_file(path: str, graph: Optional[str] = None) -> str:
-    from .archive_format import ArchiveError
-
+def inspect_file(path: str, graph: Optional[str] = None, limits: Optional[ArchiveLimits] = None) -> str:
+    """The table of custom ops of a .pt2 or .onnx file (and its picture when
+    ``graph`` names one); InspectError for anything unreadable."""
     if not os.path.exists(path):
         raise InspectError(f"{path}: no such file")
     kind = _kind(path)
     try:
-        table = inspect_onnx(path) if kind == "onnx" else inspect_pt2(path)
+        table = inspect_onnx(path) if kind == "onnx" else inspect_pt2(path, limits)
         if graph:
-            draw(path, graph, kind, table)
+            draw(path, graph, kind, table, limits)
     except ArchiveError as e:
         raise InspectError(str(e)) from e
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError, RecursionError) as e:
+        # a graph JSON whose shape is not torch's (the manifest is checked on reading)
+        raise InspectError(
+            f"torch_opaque: cannot inspect {path}: its serialized graph is malformed "
+            f"({type(e).__name__}: {e})."
+        ) from e
     return table
-
-
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m torch_opaque",
-        description="Tools for programs with torch_opaque operators.",
-    )
-    sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser(
-        "inspect",
-        help="list the custom ops of a .pt2 or .onnx file (imports no user code)",
-        description="List the custom operators of a .pt2 archive or an .onnx model.",
-    )
-    p.add_argument("file", help="a .pt2 (torch_opaque.save / torch.export.save) or .onnx file")
-    p.add_argument(
-        "--graph",
-        metavar="OUT",
-        help="also draw the graph, custom ops highlighted: OUT.svg, .png, .html or .dot",
-    )
-    args = parser.parse_args(argv)
-    try:
-        print(inspect_file(args.file, args.graph))
-    except InspectError as e:
-        print(f"python -m torch_opaque inspect: error: {e}", file=sys.stderr)
-        return 1
-    if args.graph:
-        print(f"graph written to {args.graph}")
-    return 0

@@ -1,0 +1,88 @@
+"""Exported programs that travel: ``torch_opaque.save`` / ``torch_opaque.load``.
+
+Files: manifest.py (the typed manifest and its one reader), zipio.py (bounded
+zip reading), program.py (pt2 programs read without unpickling), reader.py
+(what an archive holds, for load and inspect), values.py (stored argument
+values), saving.py / trace.py (writing; tracing calls to ATen), loading.py / stored.py
+(loading; ops re-created from stored programs).
+
+A program exported with opaque ops names them (``torch.ops.opaque.Foo.Tensor``)
+but does not contain them: ``torch.export.load`` in another process fails
+unless something registered them first. ``torch_opaque.save`` writes a plain
+``torch.export.save`` archive plus a JSON manifest (an ``extra_files`` entry)
+that says, for each opaque op in the program, its overloads and schemas and
+the module and class of the autograd.Function that defines it.
+``torch_opaque.load`` reads the manifest first and re-registers missing ops:
+
+* an op already registered in this process is reused (its schema must match);
+* otherwise the defining module is imported, but only when the caller allows
+  it: ``load(path, allow=["mymodule"])`` (module names or dotted prefixes) or
+  ``allow_all=True``. Nothing is imported by default; a missing op whose
+  module is not allowed is an :class:`OpNotAllowedError` that names the op,
+  the module and the ``allow=`` to pass, raised before anything is imported;
+* an archive saved with ``self_contained=True`` also stores, for each op, its
+  forward and backward traced to ATen (see Note [Self-contained archives]); an
+  op whose module is not allowed (or absent) is then re-created from them.
+
+Loading and ``python -m torch_opaque inspect`` run nothing from the file: the
+archive is read as data within size limits (Note [Size limits] in zipio.py),
+without unpickling or evaluating any part of it (Note [Reading pt2 without
+unpickling] in program.py); the only code that may run is that of the modules
+the caller allows.
+
+Example::
+
+    >>> import torch, torch_opaque, tempfile, os
+    >>> @torch_opaque.op(name="DocArchSin")
+    ... class DocSin(torch.autograd.Function):
+    ...     @staticmethod
+    ...     def forward(ctx, x):
+    ...         ctx.save_for_backward(x)
+    ...         return x.sin()
+    ...     @staticmethod
+    ...     def backward(ctx, g):
+    ...         (x,) = ctx.saved_tensors
+    ...         return g * x.cos()
+    >>> class M(torch.nn.Module):
+    ...     def forward(self, x):
+    ...         return DocSin.apply(x)
+    >>> ep = torch.export.export(M(), (torch.randn(3),))
+    >>> path = os.path.join(tempfile.mkdtemp(), "m.pt2")
+    >>> torch_opaque.save(ep, path)
+    >>> torch_opaque.load(path).module()(torch.zeros(3))   # the op exists here
+    tensor([0., 0., 0.])
+
+Note [Self-contained archives]
+For every opaque op of the program, each distinct kind of call (overload,
+values of the non-tensor arguments, dtypes, which dimensions are static) is
+traced once with ``torch.export.export`` (non-strict) from concrete example
+inputs whose sizes are the hints of the program's (possibly symbolic) sizes.
+A dimension that is symbolic in the program is marked ``Dim.AUTO``, so the
+stored programs stay dynamic where the program is (and specialise only where
+the Function's code requires it); static dimensions stay static. Two programs
+are stored per kind of call, as ``torch.export.save`` bytes (base64) in
+``extra_files`` (read back without unpickling, Note [Reading pt2 without
+unpickling] in program.py):
+
+* forward: (tensor arguments, symbolic int arguments) -> (outputs, residuals,
+  symbolic ints the forward left on ctx); the rest of the forward record (which
+  tensors are saved, non-differentiable outputs) is static and kept in the
+  manifest;
+* backward: (saved tensors, output gradients, those ints) -> gradients,
+  traced with every tensor input needing a gradient (unneeded ones are
+  dropped at run time).
+
+Loading defines the op (as its own overload, Note [Stored ops beside real
+ones] in stored.py) with ``_C.define_op`` whose kernels run these programs,
+plus fake kernels (the same programs on fake tensors), so the loaded program
+runs, re-exports and trains through the stored backward. A call that none of
+the stored programs covers (other non-tensor values, dtypes, or other sizes
+in a static dimension) fails with an error saying so.
+"""
+
+from ..errors import ArchiveError, OpNotAllowedError
+from .loading import load
+from .saving import save
+from .zipio import ArchiveLimits
+
+__all__ = ["save", "load", "ArchiveError", "OpNotAllowedError", "ArchiveLimits"]

@@ -1,0 +1,360 @@
+"""``torch_opaque.load``: an exported program whose opaque ops are re-registered
+first, reading the archive as data (Note [Reading pt2 without unpickling]),
+importing only the modules the caller allows, never running code from the file.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import warnings
+from typing import Iterable, Optional
+
+import torch
+
+from ..errors import ArchiveError, OpNotAllowedError
+from ..ops import is_opaque_triple, schema_or_none
+from ..schema import schema_arguments
+from . import stored as S
+from .manifest import MODULE_RE, Manifest, OpEntry, OverloadRecord, bad_manifest
+from .program import check_model_json, deserialize, read_tensors
+from .reader import ArchiveContents, read_contents
+from .zipio import ArchiveLimits, ZipReader, describe
+
+
+_EXAMPLES = {
+    "Tensor": lambda: torch.empty(0),
+    "None": lambda: None,
+    "bool": lambda: False,
+    "int": lambda: 0,
+    "float": lambda: 0.0,
+    "str": lambda: "",
+    "dtype": lambda: torch.float32,
+    "device": lambda: torch.device("cpu"),
+    "size": lambda: torch.Size([]),
+    "Tensors": lambda: [torch.empty(0)],
+    "tTensors": lambda: (torch.empty(0),),
+    "bools": lambda: [False],
+    "tbools": lambda: (False,),
+    "ints": lambda: [],
+    "tints": lambda: (),
+    "floats": lambda: [0.0],
+    "tfloats": lambda: (0.0,),
+}
+
+
+def _define_python_overload(fn, ov: OverloadRecord, description: str) -> None:
+    """Defines a recorded overload of a registered Function without calling it
+    (OpaqueFunction.overload_for would probe the forward with example values)."""
+    from .. import function as F
+    from ..schema import kinds_key, specs_from_values
+
+    overload = ov.overload
+    qual = f"{fn.namespace}::{fn.name}.{overload}"
+    with F._LOCK:
+        if overload in fn.overloads:
+            return
+        if fn.hint_specs is not None:
+            specs, name, values = fn.hint_specs, "", None
+        else:
+            tokens = ov.tokens
+            if tokens is None or any(t not in _EXAMPLES for t in tokens):
+                raise ArchiveError(
+                    f"torch_opaque.load: {description} does not say how to define {qual} "
+                    f"from {fn.cls.__module__}.{fn.cls.__qualname__}."
+                )
+            values = [_EXAMPLES[t]() for t in tokens]
+            names = (
+                [f"arg{i}" for i in range(len(values))] if fn.varargs else fn.arg_names
+            )
+            if len(names) != len(values):
+                raise ArchiveError(
+                    f"torch_opaque.load: {fn.cls.__module__}.{fn.cls.__qualname__} no longer "
+                    f"takes the arguments of {qual} as saved in {description} "
+                    f"({ov.schema})."
+                )
+            specs = specs_from_values(names, values, fn.defaults, fn.display_name)
+            name = "_".join(s.token for s in specs) or "noargs"
+        if (name or "default") != overload or schema_arguments(specs) != ov.arguments:
+            raise ArchiveError(
+                f"torch_opaque.load: {fn.cls.__module__}.{fn.cls.__qualname__} now defines "
+                f"{fn.namespace}::{fn.name}.{name or 'default'}"
+                f"({schema_arguments(specs)}), but {description} was saved with "
+                f"{ov.schema}; the Function changed since the archive was written."
+            )
+        new = F.Overload(fn, name, specs, ov.n_out, ov.returns_tuple)
+        fn.overloads[new.name] = new
+        if values is not None:
+            fn._by_kinds[kinds_key(values)] = new
+        else:
+            fn._single = new
+
+
+def _allowed(module: Optional[str], allow: list, allow_all: bool) -> bool:
+    if module is None or module == "__main__":
+        return False
+    if allow_all:
+        return True
+    for p in allow:
+        p = p[:-2] if p.endswith(".*") else p.rstrip(".")
+        if module == p or module.startswith(p + "."):
+            return True
+    return False
+
+
+def _resolve_class(module, qualname: Optional[str]):
+    if not qualname or "<locals>" in qualname:
+        return None
+    obj = module
+    for part in qualname.split("."):
+        obj = getattr(obj, part, None)
+        if obj is None:
+            return None
+    return obj
+
+
+def _register_from_module(op_entry: OpEntry, missing: list, description: str) -> None:
+    from .. import function as F
+
+    ns, name, module_name = op_entry.namespace, op_entry.name, op_entry.module
+    module = importlib.import_module(module_name)
+    fn = F._BY_OPNAME.get((ns, name))
+    if fn is None:
+        cls = _resolve_class(module, op_entry.cls)
+        if not (isinstance(cls, type) and issubclass(cls, torch.autograd.Function)):
+            raise ArchiveError(
+                f"torch_opaque.load: {description} needs {ns}::{name}, defined by class "
+                f"{op_entry.cls} in module {module_name}; the module was imported but "
+                f"has no such autograd.Function."
+            )
+        existing = F.lookup(cls)
+        if existing is not None and (existing.namespace, existing.name) != (ns, name):
+            raise ArchiveError(
+                f"torch_opaque.load: {module_name}.{op_entry.cls} is now the op "
+                f"{existing.namespace}::{existing.name}, but {description} calls it {ns}::{name}."
+            )
+        F.wrap(cls, name=name, namespace=ns, _patch_apply=False)
+        fn = F._BY_OPNAME[(ns, name)]
+    for ov in missing:
+        _define_python_overload(fn, ov, description)
+
+
+def _missing_message(description: str, path_repr: str, problems: list, allow: list) -> str:
+    lines = [
+        f"torch_opaque.load: {description} calls opaque ops that are not registered in this "
+        f"process, and loading may not import the modules that define them:"
+    ]
+    modules = []
+    for op_entry, why in problems:
+        mod = op_entry.module
+        cls = op_entry.cls
+        where = f"class {cls} in module {mod}" if mod else "C++ (no Python module)"
+        lines.append(f"  - {op_entry.qualified_name}: defined by {where}; {why}")
+        if mod and mod != "__main__" and mod not in modules:
+            modules.append(mod)
+    if modules:
+        suggestion = sorted(set(allow) | set(modules))
+        lines.append(
+            f"Allow the import with torch_opaque.load({path_repr}, allow={suggestion!r}) "
+            f"(or import those modules yourself first). Only allow modules you trust: "
+            f"importing runs their code."
+        )
+    lines.append("Nothing was imported.")
+    return "\n".join(lines)
+
+
+def _plan(manifest: Manifest, path, description: str, allow: list, allow_all: bool) -> list:
+    """(action, op entry, missing overloads) for every op the process lacks,
+    decided before anything is imported; OpNotAllowedError lists the ops no
+    allowed module or stored program can provide."""
+    from .. import function as F
+
+    plan = []
+    problems = []
+    for op in manifest.ops:
+        ns, name = op.namespace, op.name
+        missing = []
+        for ov in op.overloads:
+            if is_opaque_triple(ns, name, ov.overload):
+                have = str(schema_or_none(ns, name, ov.overload))
+                if have != ov.schema:
+                    raise ArchiveError(
+                        f"torch_opaque.load: {description} calls {ov.schema}, but this "
+                        f"process already defines {have}."
+                    )
+            else:
+                missing.append(ov)
+        # overloads that were themselves re-created from stored programs
+        aliases = [ov for ov in missing if S.is_stored_name(ov.overload)]
+        missing = [ov for ov in missing if not S.is_stored_name(ov.overload)]
+        for ov in aliases:
+            if not ov.variants:
+                problems.append((op, f"{ov.overload} was re-created from stored programs, which "
+                                     f"the archive does not hold"))
+        if aliases:
+            plan.append(("stored", op, aliases))
+        if not missing:
+            continue
+        stored = all(ov.variants for ov in missing)
+        if (ns, name) in F._BY_OPNAME:
+            plan.append(("registered", op, missing))
+        elif _allowed(op.module, allow, allow_all):
+            plan.append(("import", op, missing))
+        elif stored:
+            plan.append(("stored", op, missing))
+        elif op.module is None:
+            problems.append((op, "load the library that defines it before loading"))
+        elif op.module == "__main__":
+            problems.append(
+                (
+                    op,
+                    "it was defined in the saving script (__main__), which cannot be imported; "
+                    "save with torch_opaque.save(ep, path, self_contained=True) or define it in "
+                    "a module",
+                )
+            )
+        elif allow or allow_all:
+            problems.append((op, f"module {op.module} is not in allow={list(allow)!r}"))
+        else:
+            problems.append((op, "no module may be imported (allow is empty)"))
+    if problems:
+        path_repr = repr(description) if isinstance(path, (str, os.PathLike)) else "f"
+        raise OpNotAllowedError(_missing_message(description, path_repr, problems, allow))
+    return plan
+
+
+def _read_programs(z: ZipReader, contents: ArchiveContents, plan: list) -> dict:
+    """extra file name -> stored program text, for every variant the plan may need."""
+    out = {}
+    for _action, _op, missing in plan:
+        for ov in missing:
+            for v in ov.variants:
+                for name in (v.fwd, v.bwd):
+                    entry = contents.extra.get(name)
+                    if entry is None:
+                        raise ArchiveError(
+                            f"torch_opaque: {z.description} lacks the stored program '{name}' "
+                            f"that its manifest names; the archive is truncated or corrupted."
+                        )
+                    out[name] = z.text(entry, "program")
+    return out
+
+
+def _prepare_ops(plan: list, programs: dict, description: str, limits: ArchiveLimits) -> dict:
+    """Makes every planned op available; returns the renames of serialized call
+    targets to stored overloads (Note [Stored ops beside real ones])."""
+    from .. import function as F
+
+    rename: dict = {}
+    created = []
+    for action, op, missing in plan:
+        if action == "registered":
+            fn = F._BY_OPNAME[(op.namespace, op.name)]
+            for ov in missing:
+                _define_python_overload(fn, ov, description)
+            continue
+        if action == "import":
+            try:
+                _register_from_module(op, missing, description)
+                continue
+            except ImportError as e:
+                if not all(ov.variants for ov in missing):
+                    raise ArchiveError(
+                        f"torch_opaque.load: {description} needs {op.qualified_name} from module "
+                        f"{op.module}, which cannot be imported ({type(e).__name__}: {e})."
+                    ) from e
+                warnings.warn(
+                    f"torch_opaque.load: cannot import {op.module} ({e}); {op.qualified_name} "
+                    f"runs the programs stored in {description} instead.",
+                    stacklevel=3,
+                )
+        for ov in missing:
+            try:
+                registered = S.stored_name(ov, programs)
+                sov, new = S.define_stored(op, ov, programs, registered)
+            except (KeyError, TypeError, ValueError, IndexError, RuntimeError) as e:
+                raise bad_manifest(
+                    description,
+                    f"the stored programs of {op.qualified_name}.{ov.overload} are described "
+                    f"wrongly ({type(e).__name__}: {e})",
+                ) from e
+            rename.update(S.renames(op.namespace, op.name, ov.overload, registered))
+            if new:
+                created.append(sov)
+    # Deserialize the stored programs once every op (they may call each other) exists.
+    for sov in created:
+        sov.deserialize(description, limits, rename)
+    return rename
+
+
+def _check_plain(contents: ArchiveContents) -> None:
+    unknown = []
+    for target in sorted(contents.custom_targets()):
+        _, _, ns, name, overload = target.split(".")
+        if schema_or_none(ns, name, overload) is None:
+            unknown.append(f"{ns}::{name}.{overload}")
+    if unknown:
+        raise ArchiveError(
+            f"torch_opaque.load: {contents.path} was written by torch.export.save (it has no "
+            f"torch_opaque manifest) and calls operators that are not registered in this "
+            f"process: {', '.join(unknown)}. It does not say which module defines them, so "
+            f"nothing is imported: import the modules that define them first (and save with "
+            f"torch_opaque.save next time)."
+        )
+
+
+def load(
+    path,
+    *,
+    allow: Iterable[str] = (),
+    allow_all: bool = False,
+    limits: Optional[ArchiveLimits] = None,
+):
+    """The exported program of a .pt2 archive, its opaque ops re-registered first.
+
+    Loading runs nothing from the file (Note [Reading pt2 without unpickling]):
+    no pickle, no expression evaluation, no call that is not an operator. It
+    may import modules, but only those the caller names:
+
+    ``allow``: modules (or dotted prefixes: ``"mypkg"`` allows ``"mypkg.ops"``)
+    that may be imported to define missing ops; ``allow_all=True`` allows any.
+    Nothing is imported otherwise: a missing op raises OpNotAllowedError (before
+    anything is imported) unless the archive is self-contained, in which case
+    the op is re-created from its stored programs (Note [Stored ops beside real
+    ones]). ``limits``: the largest sizes read (:class:`ArchiveLimits`, Note
+    [Size limits]). Corrupted, truncated, oversized or crafted files raise
+    ArchiveError naming the file, the part and the cause.
+    """
+    if isinstance(allow, str):
+        allow = [allow]
+    allow = list(allow)
+    for a in allow:
+        if not isinstance(a, str) or not MODULE_RE.match(
+            a[:-2] if a.endswith(".*") else a.rstrip(".")
+        ):
+            raise ValueError(f"torch_opaque.load: allow entries are module names, got {a!r}")
+    if limits is None:
+        limits = ArchiveLimits()
+    elif not isinstance(limits, ArchiveLimits):
+        raise TypeError(f"torch_opaque.load: limits must be an ArchiveLimits, got {type(limits).__name__}")
+    description = describe(path)
+    with ZipReader(path, description, limits) as z:
+        contents = read_contents(z)
+        if "model" not in contents.models:
+            raise ArchiveError(
+                f"torch_opaque: {description} holds the programs {sorted(contents.models)}, "
+                f"not 'model' (the one torch.export.save writes)."
+            )
+        where = "models/model.json"
+        model = contents.models["model"]
+        # Everything is read and checked before any module is imported.
+        check_model_json(model, where, description, {})
+        tensors = read_tensors(z, contents.root, "model", description)
+        if contents.manifest is None:
+            _check_plain(contents)
+            plan, programs = [], {}
+        else:
+            plan = _plan(contents.manifest, path, description, allow, allow_all)
+            programs = _read_programs(z, contents, plan)
+    rename = _prepare_ops(plan, programs, description, limits)
+    return deserialize(model, tensors, description, where, rename)

@@ -1,0 +1,428 @@
+"""Self-contained archives, load side: ops re-created from their stored
+programs, beside the real ones (Note [Stored ops beside real ones]).
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import json
+import re
+import threading
+from typing import Optional
+
+import torch
+
+from .. import _C
+from ..errors import ArchiveError
+from .manifest import OpEntry, OverloadRecord, TensorSig, VariantRecord
+from .values import decode_value, dtype_name, encode_value, full_args, normalize_value
+
+
+class _Variant:
+    """One stored kind of call: its record and, once deserialized, its programs."""
+
+    def __init__(self, record: VariantRecord, payload: dict, schema):
+        self.record = record
+        self.payload = payload  # "fwd"/"bwd" -> base64 text (kept for re-saving)
+        self.id = record.id
+        self.args = record.args
+        self.n_res = record.n_residuals
+        self.n_ints = record.n_state_ints
+        self.saved = record.saved_codes()
+        self.saved_none = [s.kind == "none" for s in record.saved]
+        self.non_diff = list(record.non_differentiable)
+        self.grads = list(record.grads)
+        self.schema = schema
+        self.fwd = None
+        self.bwd = None
+
+    def deserialize(self, description: str, qual: str, limits, rename: dict) -> None:
+        from .program import program_from_bytes
+
+        for which in ("fwd", "bwd"):
+            where = f"the stored {which} program of {qual}"
+            try:
+                data = base64.b64decode(self.payload[which], validate=True)
+            except (binascii.Error, ValueError) as e:
+                raise ArchiveError(
+                    f"torch_opaque.load: {where} in {description} cannot be read (not base64: "
+                    f"{e}); the archive is corrupted."
+                ) from e
+            try:
+                prog = program_from_bytes(data, description, where, limits, rename)
+            except ArchiveError as e:
+                raise ArchiveError(f"{e} (The stored {which} program is corrupted or crafted.)") from e
+            setattr(self, which, prog.module())
+
+    def match(self, args, fake: bool) -> Optional[list]:
+        """The flat program inputs for this call, or None when not covered."""
+        if len(args) != len(self.args):
+            return None
+        tensors, ints = [], []
+        for d, v, arg in zip(self.args, args, self.schema.arguments):
+            k = d.kind
+            if k == "none":
+                if v is not None:
+                    return None
+            elif k == "tensor":
+                if not _tensor_matches(d.tensor, v, fake):
+                    return None
+                tensors.append(v)
+            elif k == "tensors":
+                if v is None or len(v) != len(d.items):
+                    return None
+                for item, t in zip(d.items, v):
+                    if not _tensor_matches(item, t, fake):
+                        return None
+                    tensors.append(t)
+            elif k == "dyn":
+                if not isinstance(v, (int, torch.SymInt)):
+                    return None
+                ints.append(v)
+            else:
+                try:
+                    if encode_value(normalize_value(v, arg)) != d.value:
+                        return None
+                except TypeError:
+                    return None
+        return tensors + ints
+
+
+def _tensor_matches(d: TensorSig, t, fake: bool) -> bool:
+    if not isinstance(t, torch.Tensor):
+        return False
+    if dtype_name(t.dtype) != d.dtype or t.dim() != len(d.shape):
+        return False
+    if fake:
+        return True
+    return all(s is None or s == n for s, n in zip(d.shape, t.shape))
+
+
+def _covered(variants) -> str:
+    lines = []
+    for v in variants:
+        parts = []
+        for d, a in zip(v.args, v.schema.arguments):
+            k = d.kind
+            if k == "tensor":
+                shape = ", ".join("*" if s is None else str(s) for s in d.tensor.shape)
+                parts.append(f"{a.name}: {d.tensor.dtype}[{shape}]")
+            elif k == "tensors":
+                parts.append(f"{a.name}: {len(d.items)} tensors")
+            elif k == "const":
+                parts.append(f"{a.name}={decode_value(d.value)!r}")
+            elif k == "none":
+                parts.append(f"{a.name}=None")
+            else:
+                parts.append(f"{a.name}: any int")
+        lines.append("(" + ", ".join(parts) + ")")
+    return "; ".join(lines)
+
+
+def _call_summary(schema, args) -> str:
+    parts = []
+    for a, v in zip(schema.arguments, args):
+        if isinstance(v, torch.Tensor):
+            parts.append(f"{a.name}: {str(v.dtype).replace('torch.', '')}{list(v.shape)}")
+        else:
+            parts.append(f"{a.name}={v!r}")
+    return "(" + ", ".join(parts) + ")"
+
+
+def _unalias(outs: tuple, inputs: list) -> tuple:
+    """Operator outputs may not alias inputs or each other: copy those that do
+    (what the C++ finishers do for Python Functions, here for stored programs)."""
+    fixed = None
+    for k, o in enumerate(outs):
+        if o is None:
+            continue
+        if any(torch._C._is_alias_of(o, x) for x in inputs) or any(
+            x is not None and torch._C._is_alias_of(o, x) for x in outs[:k]
+        ):
+            if fixed is None:
+                fixed = list(outs)
+            fixed[k] = o.clone()
+    return outs if fixed is None else tuple(fixed)
+
+
+class StoredOverload:
+    """Kernels of one overload re-created from stored programs."""
+
+    def __init__(self, op: OpEntry, record: OverloadRecord, registered: str, schema, variants: list):
+        self.op = op  # the manifest entry (module and class, for messages and re-saving)
+        self.record = record
+        self.qual = op.qualified_name
+        self.overload = record.overload  # as the saving process called it
+        self.registered = registered  # the overload defined here (Note [Stored ops beside real ones])
+        self.schema = schema
+        self.n_out = record.n_out
+        self.variants = variants
+        self.ready = False  # every variant's programs deserialized
+
+    def deserialize(self, description: str, limits, rename: dict) -> None:
+        for v in self.variants:
+            v.deserialize(description, f"{self.qual}.{self.overload}", limits, rename)
+        self.ready = True
+
+    def select(self, args, fake: bool):
+        for v in self.variants:
+            flat = v.match(args, fake)
+            if flat is not None:
+                return v, flat
+        raise RuntimeError(
+            f"torch_opaque: {self.qual}.{self.overload} was re-created from the stored programs "
+            f"of a self-contained archive, which cover the calls {_covered(self.variants)}; "
+            f"this call {_call_summary(self.schema, args)} is not one of them. Load the archive "
+            f"with allow=[<defining module>] to run the original Function."
+        )
+
+    def split(self, v: _Variant, res):
+        res = list(res) if isinstance(res, (tuple, list)) else [res]
+        n = self.n_out
+        return res[:n], res[n : n + v.n_res], res[n + v.n_res :]
+
+    # real kernels: the C++ bridge runs them like a Function's (Note [Python kernels]
+    # in csrc/python/python_kernel.h), through _StoredRunner / _StoredBackwardRunner.
+    def forward(self, ctx, *args):
+        v, flat = self.select(args, fake=False)
+        outs, residuals, ints = self.split(v, v.fwd(flat))
+        # v.saved: (kind, index, item) triples as in include/torch_opaque/forward_record.h
+        sources = {1: lambda i, j: args[i], 2: lambda i, j: args[i][j],
+                   3: lambda i, j: outs[i], 4: lambda i, j: residuals[i]}  # fmt: skip
+        spec = list(v.saved)
+        saved = [
+            sources[spec[k]](spec[k + 1], spec[k + 2]) if spec[k] else None
+            for k in range(0, len(spec), 3)
+        ]
+        ctx.save_for_backward(*saved)
+        ctx.mark_non_differentiable(*(o for o, nd in zip(outs, v.non_diff) if nd))
+        ctx.stored_state = (str(v.id), list(ints))  # read by _StoredRunner.encode_ctx
+        return tuple(outs)
+
+    def backward(self, ctx, *grads):
+        v = ctx.variant
+        flat = [t for t, none in zip(ctx.saved_tensors, v.saved_none) if not none]
+        if any(g is None for g in grads):
+            raise RuntimeError(
+                f"torch_opaque: {self.qual}.{self.overload} (re-created from stored programs) "
+                f"got an undefined output gradient; its stored backward needs all of them."
+            )
+        out = v.bwd([*flat, *grads, *ctx.state_ints])
+        out = list(out) if isinstance(out, (tuple, list)) else [out]
+        res = [None] * len(self.schema.arguments)
+        for pos, g in zip(v.grads, out):
+            if ctx.needs_input_grad[pos]:
+                res[pos] = g
+        return tuple(res)
+
+    def _variant_of_state(self, state: str) -> _Variant:
+        try:
+            return self.variants[int(state)]
+        except (ValueError, IndexError):
+            raise RuntimeError(
+                f"torch_opaque: {self.qual}_bwd.{self.overload} (re-created from stored "
+                f"programs) was called with state {state!r} that its forward did not produce; "
+                f"a graph traced in the saving process cannot call the stored backward."
+            ) from None
+
+    # fake kernels (called from Python by PyTorch)
+    def fake_fwd(self, *args, **kwargs):
+        # `_fwd`'s last argument is needs_input_grad (none when called as the op).
+        needs = kwargs.pop("needs_input_grad", None)
+        if len(args) > len(self.schema.arguments):
+            needs = args[len(self.schema.arguments)]
+            args = args[: len(self.schema.arguments)]
+        args = full_args(self.schema, args, kwargs)
+        v, flat = self.select(args, fake=True)
+        outs, residuals, ints = self.split(v, v.fwd.forward(flat))
+        inputs = [t for t in flat if isinstance(t, torch.Tensor)]
+        outs = list(_unalias(tuple(outs), inputs))
+        residuals = list(_unalias(tuple(residuals), inputs + outs))
+        if needs is not None:
+            _C.set_forward_record(list(v.saved), list(v.non_diff), True, str(v.id), list(ints))
+        return (*outs, residuals)
+
+    def fake_op(self, *args, **kwargs):
+        outs = self.fake_fwd(*args, **kwargs)[:-1]
+        return outs[0] if len(outs) == 1 else outs
+
+    def fake_bwd(self, saved, grads, needs_input_grad, state, state_ints):
+        v = self._variant_of_state(state)
+        flat = [t for t, none in zip(saved, v.saved_none) if not none]
+        out = v.bwd.forward([*flat, *grads, *state_ints])
+        out = list(out) if isinstance(out, (tuple, list)) else [out]
+        res = [None] * len(self.schema.arguments)
+        for pos, g in zip(v.grads, out):
+            if needs_input_grad[pos]:
+                res[pos] = g
+        inputs = [t for t in (*saved, *grads) if t is not None]
+        return list(_unalias(tuple(res), inputs))
+
+    def decomposition(self, *args, **kwargs):
+        """The forward as ATen ops (for passes.inline): runs the stored program."""
+        args = full_args(self.schema, args, kwargs)
+        v, flat = self.select(args, fake=True)
+        outs, _, _ = self.split(v, v.fwd.forward(flat))
+        return outs[0] if self.n_out == 1 else tuple(outs)
+
+
+class _StoredRunner:
+    """A stored overload's forward, shaped like kernels.Runner for the C++ bridge."""
+
+    setup_context = None
+    convs = ()
+
+    def __init__(self, sov: StoredOverload):
+        self.sov = sov
+        self.fn_name = f"{sov.qual}.{sov.overload}"
+        self.forward = sov.forward
+        self.n_out = sov.n_out
+        self.no_grad = (False,) * len(sov.schema.arguments)
+
+    def outputs(self, out) -> tuple:
+        return tuple(out)
+
+    @staticmethod
+    def encode_ctx(ctx) -> tuple:
+        state, ints = ctx.stored_state
+        return state, ints, list(ctx.saved_tensors)
+
+
+class _StoredBackwardRunner:
+    """A stored overload's backward, shaped like kernels.BackwardRunner."""
+
+    def __init__(self, sov: StoredOverload):
+        self.sov = sov
+        self.fn_name = f"{sov.qual}.{sov.overload}"
+        self.backward = sov.backward
+        self.tensor_flags = tuple(
+            isinstance(a.type, torch.TensorType)
+            or (isinstance(a.type, torch.OptionalType) and isinstance(a.type.getElementType(), torch.TensorType))
+            for a in sov.schema.arguments
+        )
+
+    def decode_ctx(self, state: str, saved: tuple, state_ints) -> tuple:
+        return saved, {"variant": self.sov._variant_of_state(state), "state_ints": state_ints}
+
+    def _fix_count(self, res):
+        raise RuntimeError(f"torch_opaque: {self.fn_name}: stored backward returned {len(res)} gradients")
+
+    def _raise_bad_gradients(self, res):
+        raise RuntimeError(f"torch_opaque: {self.fn_name}: stored backward returned a bad gradient")
+
+
+# Note [Stored ops beside real ones]
+# An op re-created from the programs of a self-contained archive is defined as
+# its own overload of the op's name, ``<overload>_stored_<digest>``, where the
+# digest covers the overload's schema, its variant records and its program
+# bytes; the loaded graph (and the stored programs that call each other) are
+# renamed to call it before they are deserialized (program.check_model_json).
+# So:
+# * the real Function keeps its name: importing its module later and calling it
+#   defines ``ns::Name.<overload>`` as usual, next to the stored overload; a
+#   program loaded before keeps running the stored programs, a program loaded
+#   after (with allow=) runs the Function;
+# * any number of archives storing the same op for different kinds of call
+#   each get their own overload; archives with the same stored content share
+#   one (the digest is the same), so loading an archive twice defines nothing new;
+# * re-saving a loaded program keeps the stored programs; the ``_stored_``
+#   suffix is replaced, not stacked, when that archive is loaded again.
+# An op the process already has (registered Function, or an allowed module)
+# is always preferred over stored programs, as before.
+
+_STORED_SUFFIX = re.compile(r"_stored_[0-9a-f]{12}$")
+_STORED: dict = {}  # (namespace, name, registered overload) -> StoredOverload
+_LOCK = threading.Lock()  # two threads loading the same archive define it once
+
+
+def is_stored_name(overload: str) -> bool:
+    return _STORED_SUFFIX.search(overload) is not None
+
+
+def stored_overload(ns: str, name: str, overload: str) -> Optional[StoredOverload]:
+    """The re-created overload of an op loaded from a self-contained archive."""
+    return _STORED.get((ns, name, overload))
+
+
+def defined_by(ns: str, name: str) -> Optional[str]:
+    """'module.Class' of the Function an op re-created here came from, if known."""
+    for (sns, sname, _), sov in list(_STORED.items()):
+        if (sns, sname) == (ns, name) and sov.op.module:
+            return f"{sov.op.module}.{sov.op.cls}"
+    return None
+
+
+def stored_name(ov: OverloadRecord, payloads: dict) -> str:
+    """The overload name the stored programs of ``ov`` are defined under."""
+    h = hashlib.sha256()
+    h.update(ov.arguments.encode())
+    h.update(str(ov.n_out).encode())
+    for v in ov.variants:
+        d = v.to_json()
+        d.pop("fwd"), d.pop("bwd")
+        h.update(json.dumps(d, sort_keys=True).encode())
+        for which in ("fwd", "bwd"):
+            h.update(payloads[getattr(v, which)].encode())
+    base = _STORED_SUFFIX.sub("", ov.overload)
+    return f"{base}_stored_{h.hexdigest()[:12]}"
+
+
+def renames(ns: str, name: str, overload: str, registered: str) -> dict:
+    """Serialized call targets of the saved overload (and of the overload it was
+    stored from, which stored programs call) -> those of the stored one."""
+    out = {}
+    for ov in {overload, _STORED_SUFFIX.sub("", overload)}:
+        for s in ("", "_fwd", "_bwd"):
+            out[f"torch.ops.{ns}.{name}{s}.{ov}"] = f"torch.ops.{ns}.{name}{s}.{registered}"
+    return out
+
+
+def define_stored(op: OpEntry, ov: OverloadRecord, payloads: dict, registered: str):
+    """Defines ``ns::name.<registered>`` running the stored programs of ``ov``;
+    (StoredOverload, whether it was defined now). The programs are deserialized
+    later (_Variant.deserialize), once every op they call exists."""
+    with _LOCK:
+        existing = _STORED.get((op.namespace, op.name, registered))
+        if existing is not None:
+            # not ready: an earlier load failed to read its programs; read them again
+            return existing, not existing.ready
+        return _define(op, ov, payloads, registered), True
+
+
+def _define(op: OpEntry, ov: OverloadRecord, payloads: dict, registered: str) -> StoredOverload:
+    from ..ops import schema_or_none
+
+    ns, name = op.namespace, op.name
+    schema = torch._C.parse_schema(ov.schema)
+    variants = [_Variant(v, {w: payloads[getattr(v, w)] for w in ("fwd", "bwd")}, schema) for v in ov.variants]
+    record = OverloadRecord(**{**ov.__dict__})
+    sov = StoredOverload(op, record, registered, schema, variants)
+    _C.define_op(
+        ns,
+        name,
+        registered,
+        ov.arguments,
+        ["Tensor"] * ov.n_out,
+        _StoredRunner(sov),
+        _StoredBackwardRunner(sov),
+    )
+    defined = schema_or_none(ns, name, registered)
+
+    def signature(x) -> str:
+        t = str(x)
+        return t[t.index("(") :]
+
+    if signature(defined) != signature(schema):
+        raise ValueError(f"its arguments define {defined}, not {ov.schema}")
+    sov.schema = defined
+    for v in variants:
+        v.schema = defined
+    sov.lib = torch.library.Library(ns, "FRAGMENT")
+    packet = getattr(torch.ops, ns)
+    for suffix, fake in (("", sov.fake_op), ("_fwd", sov.fake_fwd), ("_bwd", sov.fake_bwd)):
+        target = getattr(getattr(packet, name + suffix), registered)
+        torch.library.register_fake(target, fake, lib=sov.lib)
+    _STORED[(ns, name, registered)] = sov
+    return sov
