@@ -655,8 +655,37 @@ def wrap(
 def op(cls: Optional[type] = None, *, name: Optional[str] = None, namespace: str = DEFAULT_NAMESPACE):
     """Class decorator: ``@torch_opaque.op`` or ``@torch_opaque.op(name=..., namespace=...)``.
 
-    Afterwards ``Cls.apply(...)`` runs ``torch.ops.<namespace>.<name>`` and every
-    export path keeps it as one node.
+    Afterwards ``Cls.apply(...)`` (and every alias of it) runs
+    ``torch.ops.<namespace>.<name>``, and every export path keeps the call as
+    one node; the class body is unchanged. Same as :func:`wrap`.
+
+    * Name: ``name`` or ``<Qualname>_<6 hex digits of the module name>``
+      (stable across processes); namespace ``"opaque"`` by default.
+    * Schema: from the type hints when every forward argument is annotated
+      (one overload, registered right away when the return is annotated too);
+      otherwise from the kinds of each call's arguments (``Name.Tensor_float``...).
+    * Tracing runs the forward on fake tensors; a forward that cannot (numpy,
+      ``.item()``) gets a ``fake`` staticmethod with forward's signature that
+      returns outputs of the right shape and saves the same tensors.
+
+    Example::
+
+        >>> import torch, torch_opaque
+        >>> @torch_opaque.op(name="DocOpScale")
+        ... class Scale(torch.autograd.Function):
+        ...     @staticmethod
+        ...     def forward(ctx, x: torch.Tensor, k: float) -> torch.Tensor:
+        ...         ctx.k = k
+        ...         return x * k
+        ...     @staticmethod
+        ...     def backward(ctx, g):
+        ...         return g * ctx.k, None
+        >>> print(torch.ops.opaque.DocOpScale.default._schema)
+        opaque::DocOpScale(Tensor x, float k) -> Tensor
+        >>> x = torch.ones(2, requires_grad=True)
+        >>> Scale.apply(x, 3.0).sum().backward()
+        >>> x.grad
+        tensor([3., 3.])
     """
     if cls is None:
         return lambda c: wrap(c, name=name, namespace=namespace)
