@@ -267,14 +267,26 @@ class OpaqueFunction:
                 n_out, returns_tuple = returns_from_hint(self.cls.forward) or self._probe(
                     specs, values
                 )
-            with _LOCK:
-                ov = self.overloads.get(overload or "default")  # another thread may have won
-                if ov is None:
-                    ov = Overload(self, overload, specs, n_out, returns_tuple)
-                    self.overloads[ov.name] = ov
-                    if self.hint_specs is not None:
-                        self._single = ov
+            return self.define_overload(overload, specs, n_out, returns_tuple, values)
         self._by_kinds[key] = ov
+        return ov
+
+    def define_overload(self, overload: str, specs, n_out: int, returns_tuple: bool,
+                        values=None) -> Overload:
+        """The overload ``overload`` ("" for the default), registered with these
+        specs and outputs unless it exists (another thread may have won); calls
+        whose arguments are of the kinds of ``values`` use it from now on (with a
+        schema from hints: every call). The one writer of the overload tables:
+        first calls, decoration (Note [Registered at decoration]) and archives."""
+        with _LOCK:
+            ov = self.overloads.get(overload or "default")
+            if ov is None:
+                ov = Overload(self, overload, specs, n_out, returns_tuple)
+                self.overloads[ov.name] = ov
+                if self.hint_specs is not None:
+                    self._single = ov
+            if values is not None:
+                self._by_kinds[kinds_key(values)] = ov
         return ov
 
     def define_from_hints(self) -> Optional[Overload]:
@@ -289,13 +301,7 @@ class OpaqueFunction:
         returns = returns_from_hint(self.cls.forward)
         if returns is None:
             return None
-        with _LOCK:
-            ov = self.overloads.get("default")
-            if ov is None:
-                ov = Overload(self, "", self.hint_specs, *returns)
-                self.overloads[ov.name] = ov
-                self._single = ov
-        return ov
+        return self.define_overload("", self.hint_specs, *returns)
 
     def _first_call(self, values: list) -> tuple:
         """(overload, primed result or None) for a call whose kinds of arguments

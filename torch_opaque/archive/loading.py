@@ -46,48 +46,41 @@ _EXAMPLES = {
 def _define_python_overload(fn, ov: OverloadRecord, description: str) -> None:
     """Defines a recorded overload of a registered Function without calling it
     (OpaqueFunction.overload_for would probe the forward with example values)."""
-    from .. import function as F
-    from ..schema import kinds_key, specs_from_values
+    from ..schema import specs_from_values
 
     overload = ov.overload
     qual = f"{fn.namespace}::{fn.name}.{overload}"
-    with F._LOCK:
-        if overload in fn.overloads:
-            return
-        if fn.hint_specs is not None:
-            specs, name, values = fn.hint_specs, "", None
-        else:
-            tokens = ov.tokens
-            if tokens is None or any(t not in _EXAMPLES for t in tokens):
-                raise ArchiveError(
-                    f"torch_opaque.load: {description} does not say how to define {qual} "
-                    f"from {fn.cls.__module__}.{fn.cls.__qualname__}."
-                )
-            values = [_EXAMPLES[t]() for t in tokens]
-            names = (
-                [f"arg{i}" for i in range(len(values))] if fn.varargs else fn.arg_names
-            )
-            if len(names) != len(values):
-                raise ArchiveError(
-                    f"torch_opaque.load: {fn.cls.__module__}.{fn.cls.__qualname__} no longer "
-                    f"takes the arguments of {qual} as saved in {description} "
-                    f"({ov.schema})."
-                )
-            specs = specs_from_values(names, values, fn.defaults, fn.display_name)
-            name = "_".join(s.token for s in specs) or "noargs"
-        if (name or "default") != overload or schema_arguments(specs) != ov.arguments:
+    if overload in fn.overloads:
+        return
+    if fn.hint_specs is not None:
+        specs, name, values = fn.hint_specs, "", None
+    else:
+        tokens = ov.tokens
+        if tokens is None or any(t not in _EXAMPLES for t in tokens):
             raise ArchiveError(
-                f"torch_opaque.load: {fn.cls.__module__}.{fn.cls.__qualname__} now defines "
-                f"{fn.namespace}::{fn.name}.{name or 'default'}"
-                f"({schema_arguments(specs)}), but {description} was saved with "
-                f"{ov.schema}; the Function changed since the archive was written."
+                f"torch_opaque.load: {description} does not say how to define {qual} "
+                f"from {fn.cls.__module__}.{fn.cls.__qualname__}."
             )
-        new = F.Overload(fn, name, specs, ov.n_out, ov.returns_tuple)
-        fn.overloads[new.name] = new
-        if values is not None:
-            fn._by_kinds[kinds_key(values)] = new
-        else:
-            fn._single = new
+        values = [_EXAMPLES[t]() for t in tokens]
+        names = (
+            [f"arg{i}" for i in range(len(values))] if fn.varargs else fn.arg_names
+        )
+        if len(names) != len(values):
+            raise ArchiveError(
+                f"torch_opaque.load: {fn.cls.__module__}.{fn.cls.__qualname__} no longer "
+                f"takes the arguments of {qual} as saved in {description} "
+                f"({ov.schema})."
+            )
+        specs = specs_from_values(names, values, fn.defaults, fn.display_name)
+        name = "_".join(s.token for s in specs) or "noargs"
+    if (name or "default") != overload or schema_arguments(specs) != ov.arguments:
+        raise ArchiveError(
+            f"torch_opaque.load: {fn.cls.__module__}.{fn.cls.__qualname__} now defines "
+            f"{fn.namespace}::{fn.name}.{name or 'default'}"
+            f"({schema_arguments(specs)}), but {description} was saved with "
+            f"{ov.schema}; the Function changed since the archive was written."
+        )
+    fn.define_overload(name, specs, ov.n_out, ov.returns_tuple, values)
 
 
 def _allowed(module: Optional[str], allow: list, allow_all: bool) -> bool:
