@@ -1,0 +1,89 @@
+"""Export time of a model with many calls of a wrapped Function, against the
+same model with the stock Function (issue #11: at most 1.2x).
+
+    python benchmarks/bench_export.py [--calls 500] [--rounds 3]
+
+Both variants are exported in one process, in alternating order each round
+(torch.export.export, non-strict, then run_decompositions()); the table gives
+the median time per variant and the median of the per-round ratios, with the
+spread. Timings are process CPU time (the export runs in this thread).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+import torch_opaque
+
+
+def make_function(name: str, wrapped: bool):
+    class Scaled(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, k: float):
+            ctx.save_for_backward(x)
+            ctx.k = k
+            return torch.sin(x) * k
+
+        @staticmethod
+        def backward(ctx, g):
+            (x,) = ctx.saved_tensors
+            return g * torch.cos(x) * ctx.k, None
+
+    Scaled.__qualname__ = name
+    return torch_opaque.wrap(Scaled, name=name) if wrapped else Scaled
+
+
+class Chain(torch.nn.Module):
+    def __init__(self, fn, calls: int):
+        super().__init__()
+        self.fn, self.calls = fn, calls
+
+    def forward(self, x):
+        for i in range(self.calls):
+            x = self.fn.apply(x, 1.0 + 1e-3 * (i % 7))
+        return x
+
+
+def export_time(model, x) -> float:
+    torch._dynamo.reset()
+    t0 = time.process_time()
+    ep = torch.export.export(model, (x,), strict=False)
+    ep.run_decompositions()
+    return time.process_time() - t0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--calls", type=int, default=500)
+    ap.add_argument("--rounds", type=int, default=3)
+    args = ap.parse_args()
+    x = torch.randn(16)
+    models = {
+        "stock": Chain(make_function("BenchExportStock", False), args.calls),
+        "wrapped": Chain(make_function("BenchExportWrapped", True), args.calls),
+    }
+    export_time(models["wrapped"], x)  # registration and the first call are not export time
+    times: dict = {k: [] for k in models}
+    ratios = []
+    for r in range(args.rounds):
+        order = list(models) if r % 2 == 0 else list(reversed(models))
+        got = {k: export_time(models[k], x) for k in order}
+        for k, v in got.items():
+            times[k].append(v)
+        ratios.append(got["wrapped"] / got["stock"])
+    print(f"export + run_decompositions of {args.calls} calls, {args.rounds} rounds (CPU s)")
+    print("| variant | median s | ratio to stock (median [min..max]) |")
+    print("|---|---|---|")
+    print(f"| stock | {statistics.median(times['stock']):.2f} | 1.00 |")
+    print(
+        f"| wrapped | {statistics.median(times['wrapped']):.2f} | "
+        f"{statistics.median(ratios):.2f} [{min(ratios):.2f}..{max(ratios):.2f}] |"
+    )
+
+
+if __name__ == "__main__":
+    main()
