@@ -2,7 +2,7 @@
 
 #include "context_types.h"
 
-#include <torch_opaque/detail/cpp_kernels.h>
+#include <torch_opaque/detail/finishers.h>
 #include <torch_opaque/forward_record.h>
 
 #include <c10/core/InferenceMode.h>

@@ -5,7 +5,7 @@
 // Python objects, builds the ctx (Note [ctx types]), calls the user's
 // function, checks what it returned, and hands the result to the same
 // finishers as ops written in C++ (Note [One forward finisher] in
-// include/torch_opaque/detail/cpp_kernels.h), so saved-tensor matching,
+// include/torch_opaque/detail/finishers.h), so saved-tensor matching,
 // output copies and the forward record exist once. The Python runner objects
 // (torch_opaque/kernels.py) supply the callables and handle the rare paths
 // (argument conversion, ctx attribute encoding, error messages). Python code

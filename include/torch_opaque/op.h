@@ -25,7 +25,7 @@
 
 #include <torch_opaque/context.h>
 #include <torch_opaque/detail/arg_types.h>
-#include <torch_opaque/detail/cpp_kernels.h>
+#include <torch_opaque/detail/finishers.h>
 #include <torch_opaque/opaque_op.h>
 
 // An op body needs ATen's functions (at::sin, at::matmul, ...): bring them.

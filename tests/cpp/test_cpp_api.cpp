@@ -1,5 +1,6 @@
 // GoogleTest suite for the C++ authoring API (torch_opaque/op.h).
 #include <torch_opaque/op.h>
+#include <torch_opaque/detail/saved_data_codec.h>
 
 #include <gtest/gtest.h>
 #include <torch/torch.h>

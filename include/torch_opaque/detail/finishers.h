@@ -1,7 +1,8 @@
 #pragma once
-// The non-template half of ops written in C++: turning a finished Context into
-// a forward record, and a `_bwd` call back into a Context. Compiled once in
-// csrc/cpp_kernels.cpp.
+// What runs after a user's forward or backward, for C++ ops and Python
+// Functions alike: turning a finished Context (or a Python forward's outcome)
+// into outputs, residuals and a forward record, and a `_bwd` call back into a
+// Context. Compiled once in csrc/finishers.cpp.
 
 #include <torch_opaque/context.h>
 #include <torch_opaque/forward_record.h>
@@ -63,17 +64,5 @@ std::pair<Context, std::vector<at::Tensor>> start_backward(torch::jit::Stack* st
 void finish_backward(const std::string& op_name, const std::vector<bool>& tensor_args,
                      std::vector<at::Tensor> grads, c10::ArrayRef<at::Tensor> saved,
                      c10::ArrayRef<at::Tensor> grad_outputs, torch::jit::Stack* stack);
-
-// Note [saved_data encoding]
-// "name=<tag>:<value>;" per entry, names sorted, with tags i (int), f (double,
-// shortest round-trip text, std::to_chars), b (bool), s (string, %-escaped),
-// n (None), y (SymInt: index into state_ints), I/F/B (lists, comma separated),
-// Y (list of SymInts: integers, or s<index> into state_ints).
-std::string encode_saved_data(const std::string& op_name,
-                              const std::map<std::string, c10::IValue>& data,
-                              std::vector<c10::SymInt>* state_ints);
-bool is_symint_list(const c10::IValue& list);
-std::map<std::string, c10::IValue> decode_saved_data(const std::string& state,
-                                                     const std::vector<c10::SymInt>& ints);
 
 } // namespace torch_opaque::detail
