@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import torch_opaque
-from torch_opaque.context import BackwardContext, ForwardContext
+from torch_opaque._impl.context import BackwardContext, ForwardContext
 from torch_opaque.errors import UnsupportedError
 
 

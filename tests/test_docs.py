@@ -46,7 +46,7 @@ def _documented_modules():
 
 
 def test_public_modules_carry_docstring_examples():
-    assert "torch_opaque.function" in _documented_modules()
+    assert "torch_opaque._impl.function" in _documented_modules()
 
 
 @pytest.mark.parametrize("module", _documented_modules())

@@ -7,7 +7,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 import torch_opaque
-from torch_opaque.function import _ORIGINAL_APPLY
+from torch_opaque._impl.function import _ORIGINAL_APPLY
 
 
 def original(cls, *args):

@@ -1,5 +1,5 @@
 """The first eager call runs the user's forward once, as stock autograd.Function
-does (Note [First call runs forward once] in torch_opaque/function.py)."""
+does (Note [First call runs forward once] in torch_opaque/_impl/function.py)."""
 
 import numpy as np
 import pytest

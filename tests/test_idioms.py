@@ -22,7 +22,7 @@ import torch
 
 import torch_opaque
 from conftest import aten_calls, op_calls
-from torch_opaque import function as F
+from torch_opaque._impl import function as F
 
 
 # ---- the Functions -------------------------------------------------------------------

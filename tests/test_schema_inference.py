@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import torch_opaque
-from torch_opaque.schema import ArgSpec, schema_arguments
+from torch_opaque._impl.schema import ArgSpec, schema_arguments
 
 E = inspect.Parameter.empty
 

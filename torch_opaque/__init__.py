@@ -24,7 +24,7 @@ except ImportError as _e:  # a source checkout that was never built, or a torch 
         f"with the torch version it was built for."
     ) from _e
 from .hooks.auto import AutoReport, auto, export
-from .function import DEFAULT_NAMESPACE, OpaqueFunction, is_wrapped, lookup, op, wrap
+from ._impl.function import DEFAULT_NAMESPACE, OpaqueFunction, is_wrapped, lookup, op, wrap
 from .errors import FakeForwardError, RegistrationError, SchemaError, UnsupportedError
 from .archive import ArchiveError, OpNotAllowedError, load, save
 from . import passes

@@ -81,7 +81,7 @@ from onnx.defs import OpSchema
 from onnxscript.values import OnnxFunction, Op, Opset
 from torch.fx.experimental.symbolic_shapes import is_concrete_int
 
-from .function import lookup
+from ._impl.function import lookup
 from .ops import OpaqueInfo, opaque_nodes
 
 __all__ = ["export", "OnnxExportError"]

@@ -48,7 +48,7 @@ class OpaqueInfo:
 
     @property
     def python_overload(self):
-        """The torch_opaque.function.Overload (Python-defined ops only)."""
+        """The torch_opaque._impl.function.Overload (Python-defined ops only)."""
         if self.function is None:
             return None
         return self.function.overloads.get(self.overload)
@@ -71,7 +71,7 @@ def opaque_info(target) -> Optional[OpaqueInfo]:
     """OpaqueInfo for an OpOverload that is (a role of) an opaque op, else None."""
     if not isinstance(target, torch._ops.OpOverload):
         return None
-    from .function import _BY_OPNAME
+    from ._impl.function import _BY_OPNAME
 
     ns, _, full = target._schema.name.partition("::")
     overload = target._overloadname

@@ -134,7 +134,7 @@ def list_opaque_ops(ep) -> list:
 
 def _selector_key(item) -> tuple:
     """(namespace, name, overload or None) for one way of naming an opaque op."""
-    from .function import OpaqueFunction, lookup
+    from ._impl.function import OpaqueFunction, lookup
 
     if isinstance(item, OpaqueFunction):
         return (item.namespace, item.name, None)
@@ -217,7 +217,7 @@ def _full_args(schema, args, kwargs) -> list:
 
 def _python_decomposition(info: OpaqueInfo) -> Optional[Callable]:
     """The Function's own forward (or backward) as a decomposition of the called op."""
-    from .kernels import BackwardRunner, Runner
+    from ._impl.kernels import BackwardRunner, Runner
 
     fn = info.function
     ov = fn.overloads.get(info.overload) if fn is not None else None
@@ -475,7 +475,7 @@ def inline(ep, ops=None):
 
 
 def _as_callable(fn) -> Callable:
-    from .function import OpaqueFunction
+    from ._impl.function import OpaqueFunction
 
     if isinstance(fn, OpaqueFunction):
         return fn.cls.apply

@@ -272,13 +272,13 @@ PyGetSetDef backward_getset[] = {
 
 bool add_context_types(PyObject* m) {
   auto& f = ForwardContextType;
-  f.tp_name = "torch_opaque.context.ForwardContext";
+  f.tp_name = "torch_opaque._impl.context.ForwardContext";
   f.tp_basicsize = sizeof(ForwardContext);
   f.tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC;
   f.tp_doc =
       "ForwardContext(fn_name, needs_input_grad): `ctx` inside a wrapped forward (or "
       "setup_context). Behaves like autograd.Function's ctx for everything an opaque op can "
-      "carry (Note [Context state] in torch_opaque/context.py).";
+      "carry (Note [Context state] in torch_opaque/_impl/context.py).";
   f.tp_new = forward_new;
   f.tp_dealloc = forward_dealloc;
   f.tp_traverse = forward_traverse;
@@ -289,7 +289,7 @@ bool add_context_types(PyObject* m) {
   f.tp_dictoffset = offsetof(ForwardContext, dict);
 
   auto& b = BackwardContextType;
-  b.tp_name = "torch_opaque.context.BackwardContext";
+  b.tp_name = "torch_opaque._impl.context.BackwardContext";
   b.tp_basicsize = sizeof(BackwardContext);
   b.tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC;
   b.tp_doc =

@@ -1,7 +1,7 @@
 #pragma once
 // Note [ctx types]
 // The `ctx` a wrapped Function's forward and backward receive
-// (torch_opaque.context.ForwardContext / BackwardContext) are C types, like
+// (torch_opaque._impl.context.ForwardContext / BackwardContext) are C types, like
 // autograd.Function's own ctx: building one and calling save_for_backward
 // costs no Python frame, and the bridge reads what the forward left on it
 // straight from the struct. User attributes live in the instance __dict__,

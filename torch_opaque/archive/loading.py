@@ -14,7 +14,7 @@ import torch
 
 from ..errors import ArchiveError, OpNotAllowedError
 from ..ops import is_opaque_triple, schema_or_none
-from ..schema import schema_arguments
+from .._impl.schema import schema_arguments
 from . import stored as S
 from .manifest import MODULE_RE, Manifest, OpEntry, OverloadRecord, bad_manifest
 from .program import check_model_json, deserialize, read_tensors
@@ -46,7 +46,7 @@ _EXAMPLES = {
 def _define_python_overload(fn, ov: OverloadRecord, description: str) -> None:
     """Defines a recorded overload of a registered Function without calling it
     (OpaqueFunction.overload_for would probe the forward with example values)."""
-    from ..schema import specs_from_values
+    from .._impl.schema import specs_from_values
 
     overload = ov.overload
     qual = f"{fn.namespace}::{fn.name}.{overload}"
@@ -107,7 +107,7 @@ def _resolve_class(module, qualname: Optional[str]):
 
 
 def _register_from_module(op_entry: OpEntry, missing: list, description: str) -> None:
-    from .. import function as F
+    from .._impl import function as F
 
     ns, name, module_name = op_entry.namespace, op_entry.name, op_entry.module
     module = importlib.import_module(module_name)
@@ -160,7 +160,7 @@ def _plan(manifest: Manifest, path, description: str, allow: list, allow_all: bo
     """(action, op entry, missing overloads) for every op the process lacks,
     decided before anything is imported; OpNotAllowedError lists the ops no
     allowed module or stored program can provide."""
-    from .. import function as F
+    from .._impl import function as F
 
     plan = []
     problems = []
@@ -236,7 +236,7 @@ def _read_programs(z: ZipReader, contents: ArchiveContents, plan: list) -> dict:
 def _prepare_ops(plan: list, programs: dict, description: str, limits: ArchiveLimits) -> dict:
     """Makes every planned op available; returns the renames of serialized call
     targets to stored overloads (Note [Stored ops beside real ones])."""
-    from .. import function as F
+    from .._impl import function as F
 
     rename: dict = {}
     created = []

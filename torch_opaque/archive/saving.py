@@ -11,7 +11,7 @@ import torch
 
 from ..errors import ArchiveError
 from ..ops import opaque_nodes, schema_or_none
-from ..schema import schema_arguments
+from .._impl.schema import schema_arguments
 from . import stored as S
 from .manifest import MANIFEST, Calls, Manifest, OpEntry, OverloadRecord
 from .trace import store_overload
@@ -59,7 +59,7 @@ def _collect(graph_modules, records: dict, count: bool) -> list:
 
 
 def _function(rec: _OpCalls):
-    from ..function import _BY_OPNAME
+    from .._impl.function import _BY_OPNAME
 
     return rec.function or _BY_OPNAME.get((rec.namespace, rec.name))
 

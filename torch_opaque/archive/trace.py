@@ -121,7 +121,7 @@ class _ForwardTrace(torch.nn.Module):
 
     def __init__(self, fn, overload, desc, report):
         super().__init__()
-        from ..kernels import Runner
+        from .._impl.kernels import Runner
 
         ov = fn.overloads[overload]
         setup = fn.cls.setup_context if fn.setup_style else None
@@ -150,7 +150,7 @@ class _BackwardTrace(torch.nn.Module):
 
     def __init__(self, fn, overload, saved_none, n_out, state, needs, report):
         super().__init__()
-        from ..kernels import BackwardRunner
+        from .._impl.kernels import BackwardRunner
 
         ov = fn.overloads[overload]
         self.runner = BackwardRunner(fn.display_name, fn.cls.backward, ov.specs)

@@ -186,7 +186,7 @@ def _note_op(cls, fn) -> None:
 
 def routed(cls: type):
     """The OpaqueFunction that a call of ``cls.apply`` runs now in this thread, or None."""
-    from .. import function
+    from .._impl import function
 
     fn = function.lookup(cls)
     if fn is not None and fn.explicit:
@@ -330,7 +330,7 @@ def auto():
     wrapped as with ``torch_opaque.wrap`` and runs as an op. Classes that
     cannot be wrapped stay ordinary Functions, with a warning that says why
     (Note [Auto fall-back]). Yields an :class:`AutoReport` of what it did."""
-    from .. import function
+    from .._impl import function
 
     function.ensure_routing()
     report = AutoReport()

@@ -32,9 +32,9 @@ from typing import Optional
 import torch
 from torch.autograd.function import _is_setup_context_defined
 
-from . import _C
-from .errors import FakeForwardError, SchemaError
-from .hooks import apply as _apply_hook
+from .. import _C
+from ..errors import FakeForwardError, SchemaError
+from ..hooks import apply as _apply_hook
 from .kernels import BackwardRunner, FakeRunner, InferenceFake, Runner, check_tensor_outputs
 from .kernels import make_backward_fake, modified_input_error
 from .schema import kinds_key, returns_from_hint, specs_from_hints
@@ -461,7 +461,7 @@ def ensure_routing() -> None:
     global _ROUTING
     if _ROUTING:
         return
-    from .hooks import dynamo as _dynamo_hook
+    from ..hooks import dynamo as _dynamo_hook
 
     _apply_hook.install_apply_route(route_apply, _BY_ID, _auto._state)
     _dynamo_hook.install_when_dynamo_loads()
@@ -492,7 +492,7 @@ def _exact_encoder(runner):
     a value that does not decode, or decodes to another type (a namedtuple, an
     IntEnum, a numpy scalar, a float subclass) (Note [Auto fall-back])."""
     from .context import decode_state
-    from .errors import UnsupportedError
+    from ..errors import UnsupportedError
 
     encode = runner.encode_ctx
 
@@ -710,4 +710,4 @@ def is_wrapped(cls: type) -> bool:
     return fn is not None and fn.explicit
 
 
-from .hooks import auto as _auto  # noqa: E402  (auto mode calls back into this module)
+from ..hooks import auto as _auto  # noqa: E402  (auto mode calls back into this module)

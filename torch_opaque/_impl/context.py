@@ -29,8 +29,8 @@ import ast
 
 import torch
 
-from . import _C
-from .errors import UnsupportedError
+from .. import _C
+from ..errors import UnsupportedError
 
 # Note [ctx types] (csrc/python/context_types.h): both are C types, like
 # autograd.Function's own ctx. ForwardContext(fn_name, needs_input_grad) has

@@ -10,7 +10,7 @@ wants a Size), and an optional default.
 Example::
 
     >>> import torch
-    >>> from torch_opaque.schema import specs_from_values
+    >>> from torch_opaque._impl.schema import specs_from_values
     >>> [s.decl for s in specs_from_values(["x", "alpha"], [torch.ones(2), 0.5], {})]
     ['Tensor x', 'float alpha']
 """
@@ -32,7 +32,7 @@ SUPPORTED = (
 )
 
 
-from .errors import SchemaError  # noqa: E402,F401
+from ..errors import SchemaError  # noqa: E402,F401
 
 
 @dataclasses.dataclass(frozen=True)

@@ -16,9 +16,9 @@ from typing import Callable
 
 import torch
 
-from . import _C
+from .. import _C
 from .context import ForwardContext, decode_state, encode_state, user_attributes
-from .errors import FakeForwardError, SchemaError, UnsupportedError
+from ..errors import FakeForwardError, SchemaError, UnsupportedError
 
 def fake_forward_error(fn_name: str, err: BaseException) -> FakeForwardError:
     return FakeForwardError(
