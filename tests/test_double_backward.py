@@ -166,3 +166,30 @@ def test_exported_program_module_double_backward(strict):
 
     ref = second(lambda t: original(Tanh, model.lin(t)) + original(Cube, t))
     torch.testing.assert_close(second(ep.module()), ref)
+
+
+class PenaltyModel(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(3, 3).double()
+
+    def forward(self, x):
+        return ScaledSin.apply(self.lin(x), 1.5).pow(2).sum()
+
+
+def test_training_program_gradients_are_differentiable():
+    """The input gradient an export_training program returns (Name_fwd and
+    Name_bwd nodes run by ep.module()) can be differentiated again."""
+    torch.manual_seed(0)
+    model = PenaltyModel()
+    x = dbl(2, 3)
+    ep = torch_opaque.export_training(model, (x,))
+    names = {n.target._schema.name for n in op_calls(ep.graph_module, "ArchScaledSin")}
+    assert names == {"opaque::ArchScaledSin_fwd", "opaque::ArchScaledSin_bwd"}
+    gx = ep.module()(x)[-1]
+    (ours,) = torch.autograd.grad(gx.pow(2).sum(), x)
+
+    y = original(ScaledSin, model.lin(x), 1.5).pow(2).sum()
+    (g,) = torch.autograd.grad(y, x, create_graph=True)
+    (ref,) = torch.autograd.grad(g.pow(2).sum(), x)
+    torch.testing.assert_close(ours, ref)
