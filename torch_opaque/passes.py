@@ -55,6 +55,8 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from ._impl.calls import CallSignature, full_args
+from ._impl.tracing import unalias
 from .ops import OpaqueInfo, opaque_info, opaque_nodes
 
 __all__ = ["OpaqueOpRecord", "list_opaque_ops", "inline", "replace", "strip_residuals"]
@@ -209,12 +211,6 @@ def _chooser(ops, nodes: list) -> Callable[[OpaqueInfo], bool]:
 # ---- decompositions ------------------------------------------------------------------------
 
 
-def _full_args(schema, args, kwargs) -> list:
-    from .archive.values import full_args as full
-
-    return full(schema, args, kwargs)
-
-
 def _python_decomposition(info: OpaqueInfo) -> Optional[Callable]:
     """The Function's own forward (or backward) as a decomposition of the called op."""
     from ._impl.kernels import BackwardRunner, Runner
@@ -236,13 +232,15 @@ def _python_decomposition(info: OpaqueInfo) -> Optional[Callable]:
     runner = Runner(fn.display_name, fn.cls.forward, setup, ov.specs, ov.n_out)
     training = info.role == "fwd"
 
+    sig = CallSignature.of_schema(schema)
+
     def forward(*args, **kwargs):
-        args = _full_args(schema, args, kwargs)
-        needs = None
-        if training:
-            needs = args.pop()  # `_fwd`'s needs_input_grad
-            if needs is None:
-                needs = tuple(s.is_tensor and a is not None for s, a in zip(ov.specs, args))
+        args, kwargs, needs = sig.split_needs_input_grad(args, kwargs)
+        args = sig.complete(args, kwargs)
+        if training and needs is None:
+            needs = tuple(s.is_tensor and a is not None for s, a in zip(ov.specs, args))
+        elif not training:
+            needs = None
         # Grad mode is left alone (toggling it would be recorded in the graph);
         # outputs and residuals that alias inputs come back as copies.
         outs, residuals, _record = runner.run(needs, args)
@@ -265,8 +263,7 @@ def _stored_decomposition(info: OpaqueInfo) -> Optional[Callable]:
     if info.role == "fwd":
 
         def forward(*args, **kwargs):
-            kwargs.pop("needs_input_grad", None)
-            args = _full_args(sov.schema, args[: len(sov.schema.arguments)], kwargs)
+            args = full_args(sov.schema, args, kwargs)
             v, flat = sov.select(args, fake=True)
             outs, residuals, _ = sov.split(v, v.fwd.forward(flat))
             return (*outs, list(residuals))
@@ -402,9 +399,10 @@ def _strip(gm, chosen, strict: bool) -> int:
             graph = m.graph
             with graph.inserting_before(node):
                 # drop `_fwd`'s trailing needs_input_grad argument
-                n_args = len(op._schema.arguments)
-                kwargs = {k: v for k, v in node.kwargs.items() if k != "needs_input_grad"}
-                new = graph.call_function(op, tuple(node.args)[:n_args], kwargs)
+                args, kwargs, _ = CallSignature.of_schema(op._schema).split_needs_input_grad(
+                    node.args, node.kwargs
+                )
+                new = graph.call_function(op, args, kwargs)
             new.meta = dict(node.meta)
             val = node.meta.get("val")
             if isinstance(val, (tuple, list)):
@@ -531,7 +529,7 @@ def _replacement(info: OpaqueInfo, call: Callable, original: Any) -> Callable:
     qual = f"{info.qualified_name}.{info.overload}"
 
     def replacement(*args, **kwargs):
-        args = _full_args(schema, args, kwargs)
+        args = full_args(schema, args, kwargs)
         for i, conv in convs:
             if args[i] is not None:
                 args[i] = conv(args[i])
@@ -543,8 +541,8 @@ def _replacement(info: OpaqueInfo, call: Callable, original: Any) -> Callable:
                 f"{type(out).__name__} with {len(outs)} item(s) for {qual}, which returns "
                 f"{n_out} tensor(s)."
             )
-        inputs = [a for a in args if isinstance(a, torch.Tensor)]
-        outs = tuple(o.clone() if any(o is a for a in inputs) else o for o in outs)
+        inputs = [t for a in args for t in (a if isinstance(a, (list, tuple)) else (a,))]
+        outs = unalias(outs, inputs)
         return outs[0] if n_out == 1 else outs
 
     return replacement
