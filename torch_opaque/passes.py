@@ -57,7 +57,9 @@ import torch
 
 from ._impl.calls import CallSignature, full_args
 from ._impl.tracing import unalias
-from .ops import OpaqueInfo, opaque_info, opaque_nodes
+from ._impl.function import OpaqueFunction, lookup
+from ._impl.kernels import BackwardRunner, Runner
+from .ops import OpaqueInfo, defined_by, opaque_info, opaque_nodes, source_decomposition
 
 __all__ = ["OpaqueOpRecord", "list_opaque_ops", "inline", "replace", "strip_residuals"]
 
@@ -95,15 +97,6 @@ def _all_opaque(gm) -> list:
     return out
 
 
-def _defined_by(info: OpaqueInfo) -> Optional[str]:
-    if info.function is not None:
-        cls = info.function.cls
-        return f"{cls.__module__}.{cls.__qualname__}"
-    from .archive.stored import defined_by
-
-    return defined_by(info.namespace, info.name)
-
-
 def list_opaque_ops(ep) -> list:
     """An :class:`OpaqueOpRecord` per opaque operator overload the program calls."""
     _check_program(ep)
@@ -125,7 +118,7 @@ def list_opaque_ops(ep) -> list:
                 target=f"{schema.name}.{info.overload}",
                 schema=str(schema),
                 count=counts[key],
-                defined_by=_defined_by(info),
+                defined_by=defined_by(info),
             )
         )
     return records
@@ -136,8 +129,6 @@ def list_opaque_ops(ep) -> list:
 
 def _selector_key(item) -> tuple:
     """(namespace, name, overload or None) for one way of naming an opaque op."""
-    from ._impl.function import OpaqueFunction, lookup
-
     if isinstance(item, OpaqueFunction):
         return (item.namespace, item.name, None)
     if isinstance(item, type) and issubclass(item, torch.autograd.Function):
@@ -213,8 +204,6 @@ def _chooser(ops, nodes: list) -> Callable[[OpaqueInfo], bool]:
 
 def _python_decomposition(info: OpaqueInfo) -> Optional[Callable]:
     """The Function's own forward (or backward) as a decomposition of the called op."""
-    from ._impl.kernels import BackwardRunner, Runner
-
     fn = info.function
     ov = fn.overloads.get(info.overload) if fn is not None else None
     if ov is None:
@@ -251,33 +240,8 @@ def _python_decomposition(info: OpaqueInfo) -> Optional[Callable]:
     return forward
 
 
-def _stored_decomposition(info: OpaqueInfo) -> Optional[Callable]:
-    """The forward of an op re-created from a self-contained archive."""
-    from .archive.stored import stored_overload
-
-    sov = stored_overload(info.namespace, info.name, info.overload)
-    if sov is None:
-        return None
-    if info.role == "op":
-        return sov.decomposition
-    if info.role == "fwd":
-
-        def forward(*args, **kwargs):
-            args = full_args(sov.schema, args, kwargs)
-            v, flat = sov.select(args, fake=True)
-            outs, residuals, _ = sov.split(v, v.fwd.forward(flat))
-            return (*outs, list(residuals))
-
-        return forward
-
-    def backward(saved, grads, needs_input_grad, state, state_ints):
-        return sov.fake_bwd(saved, grads, needs_input_grad, state, state_ints)
-
-    return backward
-
-
 def _decomposition(info: OpaqueInfo) -> Callable:
-    d = _python_decomposition(info) or _stored_decomposition(info)
+    d = _python_decomposition(info) or source_decomposition(info)
     if d is None:
         raise ValueError(
             f"torch_opaque.passes.inline: {info.qualified_name}.{info.overload} has no Python "
@@ -473,8 +437,6 @@ def inline(ep, ops=None):
 
 
 def _as_callable(fn) -> Callable:
-    from ._impl.function import OpaqueFunction
-
     if isinstance(fn, OpaqueFunction):
         return fn.cls.apply
     if isinstance(fn, type) and issubclass(fn, torch.autograd.Function):

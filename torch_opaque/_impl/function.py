@@ -57,6 +57,14 @@ _LOCK = threading.RLock()  # held only while the registry changes, never while u
 _BY_ID: dict = {}  # id(class) -> OpaqueFunction
 _BY_OPNAME: dict = {}  # (namespace, name) -> OpaqueFunction, until its ops are released
 _PENDING_RELEASE: list = []  # OpaqueFunctions of dead classes whose ops are still in use
+
+
+def function_for_op(namespace: str, name: str) -> Optional["OpaqueFunction"]:
+    """The OpaqueFunction whose ops are ``namespace::name`` (and its _fwd / _bwd),
+    if a Python Function defines them in this process (the registry's one reader
+    outside this module)."""
+    return _BY_OPNAME.get((namespace, name))
+
 # Stock autograd.Function.apply (Note [Apply interception] in hooks/apply.py).
 _ORIGINAL_APPLY = _apply_hook.ORIGINAL_APPLY
 

@@ -10,7 +10,7 @@ import hashlib
 import json
 import re
 import threading
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -18,7 +18,9 @@ from .. import _C
 from .._impl.bridge import BackwardChecks, ForwardChecks, SavedKind, saved_triples
 from .._impl.tracing import unalias
 from ..errors import ArchiveError
+from ..ops import register_source, schema_or_none
 from .manifest import OpEntry, OverloadRecord, TensorSig, VariantRecord
+from .program import program_from_bytes
 from .._impl.calls import CallSignature, full_args, tensor_flags
 from .values import decode_value, dtype_name, encode_value, normalize_value
 
@@ -42,8 +44,6 @@ class _Variant:
         self.bwd = None
 
     def deserialize(self, description: str, qual: str, limits, rename: dict) -> None:
-        from .program import program_from_bytes
-
         for which in ("fwd", "bwd"):
             where = f"the stored {which} program of {qual}"
             try:
@@ -330,6 +330,34 @@ def defined_by(ns: str, name: str) -> Optional[str]:
     return None
 
 
+class _StoredOpSource:
+    """What graph passes and the CLI learn about stored ops, through ops.py
+    (Note [Op sources] in torch_opaque/ops.py)."""
+
+    @staticmethod
+    def defined_by(ns: str, name: str) -> Optional[str]:
+        return defined_by(ns, name)
+
+    @staticmethod
+    def decomposition(info) -> Optional[Callable]:
+        """The op (in its role) as its stored programs compute it, for passes.inline."""
+        sov = stored_overload(info.namespace, info.name, info.overload)
+        if sov is None:
+            return None
+        if info.role == "op":
+            return sov.decomposition
+        if info.role == "fwd":
+
+            def forward(*args, **kwargs):
+                args = full_args(sov.schema, args, kwargs)
+                v, flat = sov.select(args, fake=True)
+                outs, residuals, _ = sov.split(v, v.fwd.forward(flat))
+                return (*outs, list(residuals))
+
+            return forward
+        return sov.fake_bwd
+
+
 def stored_name(ov: OverloadRecord, payloads: dict) -> str:
     """The overload name the stored programs of ``ov`` are defined under."""
     h = hashlib.sha256()
@@ -368,8 +396,6 @@ def define_stored(op: OpEntry, ov: OverloadRecord, payloads: dict, registered: s
 
 
 def _define(op: OpEntry, ov: OverloadRecord, payloads: dict, registered: str) -> StoredOverload:
-    from ..ops import schema_or_none
-
     ns, name = op.namespace, op.name
     schema = torch._C.parse_schema(ov.schema)
     variants = [_Variant(v, {w: payloads[getattr(v, w)] for w in ("fwd", "bwd")}, schema) for v in ov.variants]
@@ -401,4 +427,5 @@ def _define(op: OpEntry, ov: OverloadRecord, payloads: dict, registered: str) ->
         target = getattr(getattr(packet, name + suffix), registered)
         torch.library.register_fake(target, fake, lib=sov.lib)
     _STORED[(ns, name, registered)] = sov
+    register_source(_StoredOpSource)
     return sov

@@ -14,6 +14,7 @@ from typing import Optional
 import torch
 
 from .._impl.bridge import SavedKind, saved_triples
+from .._impl.kernels import BackwardRunner, Runner
 from .._impl.tracing import size_hint
 from ..errors import ArchiveError
 from .manifest import PROGRAM_PREFIX, SAVED_KIND_NAMES, ArgRecord, SavedRecord, TensorSig, VariantRecord
@@ -97,8 +98,6 @@ class _ForwardTrace(torch.nn.Module):
 
     def __init__(self, fn, overload, desc, report):
         super().__init__()
-        from .._impl.kernels import Runner
-
         ov = fn.overloads[overload]
         setup = fn.cls.setup_context if fn.setup_style else None
         self.runner = Runner(fn.display_name, fn.cls.forward, setup, ov.specs, ov.n_out)
@@ -126,8 +125,6 @@ class _BackwardTrace(torch.nn.Module):
 
     def __init__(self, fn, overload, saved_none, n_out, state, needs, report):
         super().__init__()
-        from .._impl.kernels import BackwardRunner
-
         ov = fn.overloads[overload]
         self.runner = BackwardRunner(fn.display_name, fn.cls.backward, ov.specs)
         self.saved_none = saved_none
