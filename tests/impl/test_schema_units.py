@@ -1,6 +1,6 @@
 """torch_opaque._impl.schema, piece by piece: specs from values, from type
 hints, return hints and the kinds key (the behaviour through real Functions is
-in tests/test_schema_inference.py)."""
+in tests/impl/test_schema_inference.py)."""
 
 import typing
 from typing import List, Optional, Sequence, Tuple
