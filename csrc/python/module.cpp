@@ -72,6 +72,10 @@ PYBIND11_MODULE(_C, m) {
         py::arg("setup_context"), py::arg("needs"), py::arg("args"),
         "Run a kernels.Runner's forward like the real kernel, from Python (Note [Python "
         "kernels]): (outputs, residuals, record or None).");
+  m.def("run_first_forward", &run_first_forward_from_python, py::arg("runner"),
+        py::arg("needs"), py::arg("args"),
+        "Run a kernels.Runner's forward as the kernel would while the number of outputs is "
+        "unknown (Note [First call runs forward once]): (what forward returned, ctx).");
   m.def("run_backward", &run_backward_from_python, py::arg("runner"), py::arg("backward"),
         py::arg("saved"), py::arg("grads"), py::arg("needs_input_grad"), py::arg("state"),
         py::arg("state_ints"),

@@ -198,6 +198,54 @@ struct ForwardSpec {
   std::optional<std::vector<Kind>> kinds;
 };
 
+// Calls the user's forward with `ctx` on `args` (the values forward expects)
+// and returns what it returned, refusing a forward that modified an argument.
+py::object call_checked_forward(const ForwardSpec& s, const py::object& args,
+                                const py::object& ctx) {
+  // Note [In-place forwards]: the user's code runs where ops bump version
+  // counters (below Autograd, above ADInplaceOrView), as stock forwards do;
+  // an argument whose version changed was modified in place, which an op
+  // without a mutable schema must not do. This is the one check: the kernel
+  // and the first eager call (run_first_forward_from_python) both run it.
+  // (Inference mode keeps its own key set; inference tensors and sparse
+  // tensors, which bump versions in some reading ops, are not checked.)
+  const bool inference = c10::InferenceMode::is_enabled();
+  auto tls = c10::impl::tls_local_dispatch_key_set();
+  if (!inference) tls.excluded_ = tls.excluded_.remove(c10::DispatchKey::ADInplaceOrView);
+  c10::impl::ForceDispatchKeyGuard below_autograd(tls);
+  // (argument index, tensor, version before); list items count as their argument.
+  c10::SmallVector<std::tuple<size_t, at::Tensor, uint32_t>, 8> versions;
+  auto note = [&](size_t i, PyObject* o) {
+    if (!THPVariable_Check(o)) return;
+    const at::Tensor& t = THPVariable_Unpack(o);
+    if (t.layout() == c10::kStrided && !t.is_inference()) {
+      versions.emplace_back(i, t, t._version());
+    }
+  };
+  const Py_ssize_t n_args = inference ? 0 : PyTuple_GET_SIZE(args.ptr());
+  for (Py_ssize_t i = 0; i < n_args; ++i) {
+    PyObject* a = PyTuple_GET_ITEM(args.ptr(), i);
+    if (PyList_Check(a) || PyTuple_Check(a)) {
+      const Py_ssize_t m = PySequence_Fast_GET_SIZE(a);
+      for (Py_ssize_t j = 0; j < m; ++j) note(i, PySequence_Fast_GET_ITEM(a, j));
+    } else {
+      note(i, a);
+    }
+  }
+  py::object out;
+  if (s.setup.is_none()) {
+    out = call_with_first(s.forward.ptr(), ctx.ptr(), args.ptr());
+  } else {
+    out = steal(PyObject_Call(s.forward.ptr(), args.ptr(), nullptr));
+    steal(PyObject_CallFunctionObjArgs(s.setup.ptr(), ctx.ptr(), args.ptr(), out.ptr(),
+                                       nullptr));
+  }
+  for (const auto& [i, t, v] : versions) {
+    if (t._version() != v) s.runner.attr("raise_modified_input")(i);  // raises
+  }
+  return out;
+}
+
 // Runs the user's forward on `args` (kernel values; converted here) and
 // returns what it produced; ctx is read only when `recording`.
 detail::ForwardOutcome call_user_forward(const ForwardSpec& s, py::object args,
@@ -209,45 +257,7 @@ detail::ForwardOutcome call_user_forward(const ForwardSpec& s, py::object args,
   if (!primed) {  // (primed: Note [First call runs forward once])
     if (s.has_convs) args = s.runner.attr("convert_args")(args);
     ctx = steal(new_forward_context(s.fn_name.ptr(), needs_py.ptr()));
-    // Note [In-place forwards]: the user's code runs where ops bump version
-    // counters (below Autograd, above ADInplaceOrView), as stock forwards do;
-    // an argument whose version changed was modified in place, which an op
-    // without a mutable schema must not do.
-    // (Inference mode keeps its own key set; inference tensors and sparse
-    // tensors, which bump versions in some reading ops, are not checked.)
-    const bool inference = c10::InferenceMode::is_enabled();
-    auto tls = c10::impl::tls_local_dispatch_key_set();
-    if (!inference) tls.excluded_ = tls.excluded_.remove(c10::DispatchKey::ADInplaceOrView);
-    c10::impl::ForceDispatchKeyGuard below_autograd(tls);
-    // (argument index, tensor, version before); list items count as their argument.
-    c10::SmallVector<std::tuple<size_t, at::Tensor, uint32_t>, 8> versions;
-    auto note = [&](size_t i, PyObject* o) {
-      if (!THPVariable_Check(o)) return;
-      const at::Tensor& t = THPVariable_Unpack(o);
-      if (t.layout() == c10::kStrided && !t.is_inference()) {
-        versions.emplace_back(i, t, t._version());
-      }
-    };
-    const Py_ssize_t n_args = inference ? 0 : PyTuple_GET_SIZE(args.ptr());
-    for (Py_ssize_t i = 0; i < n_args; ++i) {
-      PyObject* a = PyTuple_GET_ITEM(args.ptr(), i);
-      if (PyList_Check(a) || PyTuple_Check(a)) {
-        const Py_ssize_t m = PySequence_Fast_GET_SIZE(a);
-        for (Py_ssize_t j = 0; j < m; ++j) note(i, PySequence_Fast_GET_ITEM(a, j));
-      } else {
-        note(i, a);
-      }
-    }
-    if (s.setup.is_none()) {
-      out = call_with_first(s.forward.ptr(), ctx.ptr(), args.ptr());
-    } else {
-      out = steal(PyObject_Call(s.forward.ptr(), args.ptr(), nullptr));
-      steal(PyObject_CallFunctionObjArgs(s.setup.ptr(), ctx.ptr(), args.ptr(), out.ptr(),
-                                         nullptr));
-    }
-    for (const auto& [i, t, v] : versions) {
-      if (t._version() != v) s.runner.attr("raise_modified_input")(i);  // raises
-    }
+    out = call_checked_forward(s, args, ctx);
   }
 
   detail::ForwardOutcome outcome;
@@ -500,6 +510,14 @@ py::tuple run_forward_from_python(py::object runner, py::object forward, py::obj
                          record->state_ints);
   }
   return py::make_tuple(outs, residuals, rec);
+}
+
+py::tuple run_first_forward_from_python(py::object runner, py::object needs, py::tuple args) {
+  ForwardSpec s = forward_spec(runner);
+  py::object ctx = steal(new_forward_context(s.fn_name.ptr(), needs.ptr()));
+  at::AutoGradMode no_grad(false);  // forwards run without grad, as under the Autograd kernel
+  py::object out = call_checked_forward(s, args, ctx);
+  return py::make_tuple(out, ctx);
 }
 
 py::list run_backward_from_python(py::object runner, py::object backward, py::object saved,

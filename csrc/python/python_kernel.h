@@ -41,6 +41,14 @@ pybind11::tuple run_forward_from_python(pybind11::object runner, pybind11::objec
                                         pybind11::object setup, pybind11::object needs,
                                         pybind11::tuple args);
 
+// Note [First call runs forward once]: the user's forward of kernels.Runner
+// `runner` run as the kernel runs it (grad mode off, the in-place check) while
+// the op's number of outputs is still unknown: no conversion, no output
+// checks, no record. `needs` is a tuple of bools. Returns (what forward
+// returned, the ctx), to hand to set_primed.
+pybind11::tuple run_first_forward_from_python(pybind11::object runner, pybind11::object needs,
+                                              pybind11::tuple args);
+
 // The same backward for Python callers: the list of gradients (None where none).
 pybind11::list run_backward_from_python(pybind11::object runner, pybind11::object backward,
                                         pybind11::object saved, pybind11::object grads,

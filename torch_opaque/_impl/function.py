@@ -36,7 +36,7 @@ from .. import _C
 from ..errors import FakeForwardError, SchemaError
 from ..hooks import apply as _apply_hook
 from .kernels import BackwardRunner, FakeRunner, InferenceFake, Runner, check_tensor_outputs
-from .kernels import make_backward_fake, modified_input_error
+from .kernels import make_backward_fake
 from .schema import kinds_key, returns_from_hint, specs_from_hints
 from .schema import schema_arguments, specs_from_values
 from .tracing import real_shaped
@@ -331,26 +331,12 @@ class OpaqueFunction:
         )
         if not any(needs):
             needs = (False,) * len(values)
+        names = [f"arg{i}" for i in range(len(values))] if self.varargs else self.arg_names
         if self.hint_specs is None:  # schema errors before the forward runs
-            names = [f"arg{i}" for i in range(len(values))] if self.varargs else self.arg_names
             specs_from_values(names, values, self.defaults, self.display_name)
-        from .context import ForwardContext
-
-        ctx = ForwardContext(self.display_name, needs)
         setup = self.cls.setup_context if self.setup_style else None
-        runner = Runner(self.display_name, self.cls.forward, setup, [], -1)
-        versions = [
-            (i, t, t._version)
-            for i, v in enumerate(values)
-            for t in (v if type(v) in (list, tuple) else (v,))
-            if isinstance(t, torch.Tensor) and t.layout == torch.strided and not t.is_inference()
-        ]
-        with torch.no_grad():
-            out = runner.call_user(ctx, values)
-        for i, t, version in versions:
-            if t._version != version:  # Note [In-place forwards]
-                name = f"arg{i}" if self.varargs else self.arg_names[i]
-                raise modified_input_error(self.display_name, name)
+        runner = Runner(self.display_name, self.cls.forward, setup, [], -1, arg_names=names)
+        out, ctx = runner.run_first(needs, values)
         return self.overload_for(values, outputs=out), (out, ctx)
 
     def _probe(self, specs, values) -> tuple:
@@ -388,10 +374,9 @@ class OpaqueFunction:
         if out is None:
             # Eager use of a forward that cannot run on fake tensors: learn the
             # output structure from one real call (without autograd).
-            with torch.no_grad():
-                out = Runner(self.display_name, self.cls.forward, setup, specs, -1).call_user(
-                    ForwardContext(self.display_name, (False,) * len(values)), values
-                )
+            out, _ = Runner(self.display_name, self.cls.forward, setup, specs, -1).run_first(
+                (False,) * len(values), values
+            )
         return _output_structure(self.display_name, out)
 
 

@@ -20,7 +20,7 @@ from .context import ForwardContext, decode_state, encode_state, user_attributes
 from ..errors import FakeForwardError, SchemaError, UnsupportedError
 from .bridge import BackwardChecks, ForwardChecks
 from .calls import CallSignature
-from .bridge import check_tensor_outputs, modified_input_error  # noqa: F401 (re-exported)
+from .bridge import check_tensor_outputs  # noqa: F401 (re-exported)
 
 
 def fake_forward_error(fn_name: str, err: BaseException) -> FakeForwardError:
@@ -49,7 +49,8 @@ class Runner(ForwardChecks):
     (fake kernels, graph passes, stored programs, ONNX) the same C++ run.
     """
 
-    def __init__(self, fn_name: str, forward: Callable, setup_context, specs, n_out: int):
+    def __init__(self, fn_name: str, forward: Callable, setup_context, specs, n_out: int,
+                 arg_names=None):
         self.fn_name = fn_name
         self.forward = forward
         self.setup_context = setup_context
@@ -58,7 +59,7 @@ class Runner(ForwardChecks):
         self.n_out = n_out
         self.convs = [(i, s.convert) for i, s in enumerate(specs) if s.convert]
         self.no_grad = (False,) * self.n_args
-        self.arg_names = tuple(s.name for s in specs)
+        self.arg_names = tuple(arg_names or (s.name for s in specs))
         self.signature = CallSignature.of_specs(fn_name, specs)
 
     keeps_ctx_objects = True
@@ -93,6 +94,13 @@ class Runner(ForwardChecks):
         out = self.forward(*args)
         self.setup_context(ctx, tuple(args), out)
         return out
+
+    def run_first(self, needs: tuple, args) -> tuple:
+        """(what forward returned, ctx): the forward run by the C++ bridge as the
+        kernel runs it (grad mode off, in-place check: Note [In-place forwards])
+        while the number of outputs is unknown (Note [First call runs forward
+        once] in _impl/function.py). Unchecked outputs, no record."""
+        return _C.run_first_forward(self, tuple(needs), tuple(args))
 
     def run(self, needs, args, forward=None, setup_context=None) -> tuple:
         """(outputs, residuals, record): the forward run by the C++ bridge as the
