@@ -14,6 +14,7 @@ from typing import Optional
 import torch
 
 from ..errors import ArchiveError
+from .optional_outputs import optional_tensor_list_results
 from .manifest import PROGRAM_PREFIX, SAVED_KINDS, ArgRecord, SavedRecord, TensorSig, VariantRecord
 from .values import decode_value, dtype_name, encode_value, full_args, normalize_value, tensor_kind
 
@@ -195,7 +196,8 @@ def _rebuild_args(desc, flat: list) -> list:
 
 def _program_bytes(prog) -> str:
     buf = io.BytesIO()
-    torch.export.save(prog, buf)
+    with optional_tensor_list_results():
+        torch.export.save(prog, buf)
     return base64.b64encode(buf.getvalue()).decode("ascii")
 
 
@@ -235,16 +237,14 @@ def store_overload(rec, overload: str, files: dict, counter: list, fn, stored) -
             f"library that defines it before torch_opaque.load."
         )
     info = rec.overloads[overload]
-    if info["calls"]["bwd"] or any(i.role == "bwd" for _, i in info["sites"]):
-        raise ArchiveError(
-            f"torch_opaque.save(self_contained=True): the program calls {rec.qualified_name}_bwd "
-            f"(a training graph's backward); stored programs can only replace the forward "
-            f"forms {rec.qualified_name} and {rec.qualified_name}_fwd."
-        )
     schema = rec.overload_packet(overload)._schema
     seen: dict = {}
     variants, programs = [], []
-    for node, _info in info["sites"]:
+    for node, site in info["sites"]:
+        if site.role == "bwd":
+            # a training program's backward: it runs the stored backward of the
+            # variant of its forward call (Note [Stored backward of training programs])
+            continue
         try:
             desc, flat, dyn = _site_signature(schema, node)
         except (ValueError, TypeError) as e:
@@ -360,6 +360,7 @@ def _trace_variant(fn, overload, schema, desc, flat, dyn) -> tuple:
         grads=list(box[-1]),
         fwd="",
         bwd="",
+        state=state,
     )
     return entry, fwd_prog, bwd_prog
 
