@@ -10,34 +10,8 @@ import torch
 import torch_opaque
 import torch_opaque.onnx
 from torch_opaque.onnx import OnnxExportError
-
-
-@torch_opaque.op(name="OnnxTrainRoundSTE")
-class RoundSTE(torch.autograd.Function):
-    """Straight-through rounding: autodiff of the forward would give zero."""
-
-    @staticmethod
-    def forward(ctx, x, scale: float):
-        ctx.scale = scale
-        return torch.round(x * scale) / scale
-
-    @staticmethod
-    def backward(ctx, g):
-        return g, None
-
-
-@torch_opaque.op(name="OnnxTrainScaledSin")
-class ScaledSin(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, scale):
-        ctx.save_for_backward(x)
-        ctx.scale = scale
-        return x.sin() * scale
-
-    @staticmethod
-    def backward(ctx, g):
-        (x,) = ctx.saved_tensors
-        return g * x.cos() * ctx.scale, None
+from test_onnx import SvdTop
+from test_training import RoundSTE, ScaledSin  # TrainRoundSTE, TrainScaledSin
 
 
 @torch_opaque.op(name="OnnxTrainMulTanh")
@@ -103,11 +77,11 @@ def test_onnxruntime_computes_the_loss_and_gradients_of_eager_autograd(dynamic):
         dynamic_shapes=({0: batch}, {0: batch}) if dynamic else None,
     )
     proto = torch_opaque.onnx.export(step)
-    roles = ["OnnxTrainMulTanh", "OnnxTrainRoundSTE", "OnnxTrainScaledSin"]
+    roles = ["OnnxTrainMulTanh", "TrainRoundSTE", "TrainScaledSin"]
     assert custom(proto) == sorted(f"{n}_{r}" for n in roles for r in ("fwd", "bwd"))
     bodies = {f.name: [n.op_type for n in f.node] for f in proto.functions}
-    assert "Round" in bodies["OnnxTrainRoundSTE_fwd"]
-    assert "Cos" in bodies["OnnxTrainScaledSin_bwd"]  # the custom backward, not autodiff
+    assert "Round" in bodies["TrainRoundSTE_fwd"]
+    assert "Cos" in bodies["TrainScaledSin_bwd"]  # the custom backward, not autodiff
     assert len(proto.graph.output) == len(torch_opaque.training_outputs(step)) == 6
     for n in (5, 9) if dynamic else (5,):
         x, t = torch.randn(n, 4), torch.randn(n, 2)
@@ -119,9 +93,9 @@ def test_onnxruntime_computes_the_loss_and_gradients_of_eager_autograd(dynamic):
 def test_functions_false_gives_bare_training_nodes():
     step = torch_opaque.export_training(Net(), (torch.randn(5, 4), torch.randn(5, 2)))
     proto = torch_opaque.onnx.export(step, functions=False)
-    assert "OnnxTrainScaledSin_bwd" in custom(proto)
+    assert "TrainScaledSin_bwd" in custom(proto)
     assert [f.name for f in proto.functions if f.domain == "opaque"] == []
-    bwd = next(n for n in proto.graph.node if n.op_type == "OnnxTrainScaledSin_bwd")
+    bwd = next(n for n in proto.graph.node if n.op_type == "TrainScaledSin_bwd")
     attrs = {a.name: a for a in bwd.attribute}
     assert list(attrs["needs_input_grad"].ints) == [1, 0]
     assert "1.5" in attrs["state"].s.decode()
@@ -132,22 +106,8 @@ def test_mapping_an_op_of_a_training_program_is_refused():
     with pytest.raises(OnnxExportError) as info:
         torch_opaque.onnx.export(step, mapping={ScaledSin: "Sin"})
     assert str(info.value).startswith(
-        "torch_opaque.onnx: mapping names opaque::OnnxTrainScaledSin, but this training program"
+        "torch_opaque.onnx: mapping names opaque::TrainScaledSin, but this training program"
     )
-
-
-@torch_opaque.op(name="OnnxTrainSvdTop")
-class SvdTop(torch.autograd.Function):  # traceable to ATen, but no ONNX translation of svd
-    @staticmethod
-    def forward(ctx, x):
-        u, s, vh = torch.linalg.svd(x)
-        ctx.save_for_backward(u, vh)
-        return s[..., :1] * 1.0
-
-    @staticmethod
-    def backward(ctx, g):
-        u, vh = ctx.saved_tensors
-        return g[..., None] * (u[..., :, :1] @ vh[..., :1, :])
 
 
 class SvdNet(torch.nn.Module):
@@ -165,12 +125,12 @@ def test_training_forward_without_onnx_translation_names_the_function_and_the_wa
         torch_opaque.onnx.export(step)
     msg = str(info.value)
     assert msg.startswith(
-        "torch_opaque.onnx: the forward of opaque::OnnxTrainSvdTop (SvdTop) has no ONNX "
+        "torch_opaque.onnx: the forward of opaque::OnnxSvdTop (SvdTop) has no ONNX "
         "translation ("
     ), msg
     assert "aten._linalg_svd" in msg and "functions=False" in msg and "mapping=" in msg
     proto = torch_opaque.onnx.export(step, functions=False)
-    assert custom(proto) == ["OnnxTrainSvdTop_bwd", "OnnxTrainSvdTop_fwd"]
+    assert custom(proto) == ["OnnxSvdTop_bwd", "OnnxSvdTop_fwd"]
 
 
 def test_an_ordinary_exported_program_still_exports():
@@ -180,7 +140,7 @@ def test_an_ordinary_exported_program_still_exports():
 
     ep = torch.export.export(M(), (torch.randn(4, 3),))
     proto = torch_opaque.onnx.export(ep)
-    assert custom(proto) == ["OnnxTrainScaledSin"]
+    assert custom(proto) == ["TrainScaledSin"]
     x = torch.randn(4, 3)
     (y,) = run_ort(proto, x)
     np.testing.assert_allclose(y, M()(x).numpy(), rtol=1e-6, atol=1e-6)

@@ -399,15 +399,10 @@ class _Exporter:
         if callable(mapped) and not isinstance(mapped, OnnxFunction):
             return  # a translation function: torch.onnx calls it with the node's arguments
         args = _bind(info.target, fx_node.args, fx_node.kwargs)
-        for arg, value in args:
-            values = value if isinstance(value, (list, tuple)) else [value]
-            if _tensor_kind(arg.type) is None and any(isinstance(v, torch.fx.Node) for v in values):
-                raise OnnxExportError(
-                    f"torch_opaque.onnx: argument '{arg.name}' of {qual} is a symbolic value at "
-                    f"{fx_node.name} (e.g. a dynamic size), but ONNX attributes are constants. "
-                    f"Make it static, or pass mapping={{'{qual}': <translation function>}} that "
-                    f"takes it as an input."
-                )
+        _refuse_symbolic(
+            args, qual, fx_node, "(e.g. a dynamic size)", f"Make it static, or pass mapping="
+            f"{{'{qual}': <translation function>}} that takes it as an input."
+        )
         if isinstance(mapped, str):
             if not onnx.defs.has(mapped):
                 raise OnnxExportError(
@@ -454,14 +449,11 @@ class _Exporter:
                 f"Python forward/backward to turn into an ONNX function. Pass functions=False "
                 f"for bare custom nodes."
             )
-        for arg, value in _bind(info.target, fx_node.args, fx_node.kwargs):
-            values = value if isinstance(value, (list, tuple)) else [value]
-            if _tensor_kind(arg.type) is None and any(isinstance(v, torch.fx.Node) for v in values):
-                raise OnnxExportError(
-                    f"torch_opaque.onnx: argument '{arg.name}' of {qual} is a symbolic value at "
-                    f"{fx_node.name} (e.g. a dynamic size the backward needs), but ONNX "
-                    f"attributes are constants. Export the training step with static shapes."
-                )
+        _refuse_symbolic(
+            _bind(info.target, fx_node.args, fx_node.kwargs), qual, fx_node,
+            "(e.g. a dynamic size the backward needs)",
+            "Export the training step with static shapes.",
+        )
         try:
             self.training.add(
                 info.target, _constants(info.target, fx_node.args, fx_node.kwargs), fx_node,
@@ -636,6 +628,17 @@ class _Exporter:
                         f"function would be wrong for other sizes. {advice}"
                     )
         return body
+
+
+def _refuse_symbolic(args: list, qual: str, fx_node, example: str, advice: str) -> None:
+    """Non-tensor arguments become ONNX attributes, which are constants."""
+    for arg, value in args:
+        values = value if isinstance(value, (list, tuple)) else [value]
+        if _tensor_kind(arg.type) is None and any(isinstance(v, torch.fx.Node) for v in values):
+            raise OnnxExportError(
+                f"torch_opaque.onnx: argument '{arg.name}' of {qual} is a symbolic value at "
+                f"{fx_node.name} {example}, but ONNX attributes are constants. {advice}"
+            )
 
 
 def _part(info: OpaqueInfo) -> str:
