@@ -11,7 +11,9 @@ import torch
 
 import torch_opaque
 from opaque_fixtures import archops
-from test_archive import FIXTURE_MODULE, last_json, run_script
+from support.processes import last_json, run_script
+
+FIXTURE_MODULE = "opaque_fixtures.archops"
 
 
 def mse_to_zero(y):
@@ -32,40 +34,6 @@ def eager_step(x):
     return [loss.detach()] + [p.grad for p in net.parameters()]
 
 
-LOAD_TRAINING = """
-import json, sys
-import torch, torch_opaque
-path, ref_path, options = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
-ep = torch_opaque.load(path, **options)
-ref = torch.load(ref_path)
-assert torch_opaque.training_outputs(ep) == ref["names"], torch_opaque.training_outputs(ep)
-for x, want in zip(ref["xs"], ref["want"]):      # two batch sizes: the batch stays dynamic
-    got = ep.module()(x)
-    assert len(got) == len(want)
-    for g, w in zip(got, want):
-        torch.testing.assert_close(g, w)
-# saved again (stored programs are kept) and loaded again: the same results
-torch_opaque.save(ep, "again.pt2")
-again = torch_opaque.load("again.pt2", **options)
-for g, w in zip(again.module()(ref["xs"][1]), ref["want"][1]):
-    torch.testing.assert_close(g, w)
-# a few SGD steps on the program's own parameters: the loss falls
-mod = ep.module()
-params = dict(mod.named_parameters())
-x = ref["xs"][0]
-losses = []
-for _ in range(8):
-    loss, *grads = mod(x)
-    losses.append(loss.item())
-    with torch.no_grad():
-        for n, g in zip(ref["names"][1:], grads):
-            params[n].sub_(0.2 * g)
-assert losses[-1] < losses[0], losses
-print(json.dumps({
-    "imported": sorted(m for m in sys.modules if m.startswith("opaque_fixtures")),
-    "bwd_overloads": sorted({str(n.target) for n in ep.graph.nodes if "_bwd" in str(n.target)}),
-}))
-"""
 
 
 @pytest.fixture(scope="module")
@@ -86,7 +54,7 @@ def saved(tmp_path_factory):
 
 def test_training_program_loads_with_its_module_in_a_fresh_process(saved, tmp_path):
     opts = json.dumps({"allow": ["opaque_fixtures"]})
-    proc = run_script(LOAD_TRAINING, [saved / "step.pt2", saved / "ref.pt", opts], tmp_path, True)
+    proc = run_script("load_training_step.py", [saved / "step.pt2", saved / "ref.pt", opts], tmp_path, True)
     out = last_json(proc)
     assert out["imported"] == ["opaque_fixtures", FIXTURE_MODULE]
     # (ArchCube acts on the input, which needs no gradient: no backward call)
@@ -96,7 +64,7 @@ def test_training_program_loads_with_its_module_in_a_fresh_process(saved, tmp_pa
 
 
 def test_self_contained_training_program_needs_no_user_code(saved, tmp_path):
-    proc = run_script(LOAD_TRAINING, [saved / "step_sc.pt2", saved / "ref.pt", "{}"], tmp_path, False)
+    proc = run_script("load_training_step.py", [saved / "step_sc.pt2", saved / "ref.pt", "{}"], tmp_path, False)
     out = last_json(proc)
     assert out["imported"] == []
     # the stored backwards ran (their own overloads), not the Functions
@@ -118,7 +86,7 @@ def test_self_contained_manifest_records_the_state_of_each_kind_of_call(saved):
 def test_self_contained_training_program_also_loads_with_the_module(saved, tmp_path):
     """The graph is saved unchanged: with allow= the real Functions run it."""
     opts = json.dumps({"allow": ["opaque_fixtures"]})
-    proc = run_script(LOAD_TRAINING, [saved / "step_sc.pt2", saved / "ref.pt", opts], tmp_path, True)
+    proc = run_script("load_training_step.py", [saved / "step_sc.pt2", saved / "ref.pt", opts], tmp_path, True)
     out = last_json(proc)
     assert out["imported"] == ["opaque_fixtures", FIXTURE_MODULE]
     assert not any("_stored_" in t for t in out["bwd_overloads"]), out

@@ -82,6 +82,8 @@ from onnxscript.values import OnnxFunction, Op, Opset
 from torch.fx.experimental.symbolic_shapes import is_concrete_int
 
 from ._impl.function import lookup
+from ._impl.calls import NEEDS_INPUT_GRAD, bind, tensor_kind
+from ._impl.tracing import size_hint
 from .ops import OpaqueInfo, opaque_nodes
 from .onnx_training import BackwardBody, ForwardBody, TrainingCalls, ValueList, with_user_outputs
 
@@ -223,20 +225,27 @@ def _reuse_torchlib_registry():
 # ---- arguments ------------------------------------------------------------------------
 
 
-def _tensor_kind(t) -> Optional[str]:
-    """"one" / "list" / "optlist" for the schema types Tensor(?) / Tensor[] /
-    Tensor?[], else None."""
-    if isinstance(t, torch.OptionalType):
-        t = t.getElementType()
-    if isinstance(t, torch.TensorType):
-        return "one"
-    if isinstance(t, torch.ListType):
-        e = t.getElementType()
-        if isinstance(e, torch.TensorType):
-            return "list"
-        if isinstance(e, torch.OptionalType) and isinstance(e.getElementType(), torch.TensorType):
-            return "optlist"
-    return None
+def _tensor_kind(arg) -> Optional[str]:
+    """"one" / "list" for the schema types Tensor(?) / Tensor[] (or Tensor?[]), else None."""
+    return {"tensor": "one", "tensors": "list"}.get(tensor_kind(arg))
+
+
+def _bind(target, args, kwargs) -> list:
+    """(schema argument, value) for every argument of a call. ``Name_fwd`` /
+    ``Name_bwd`` calls (training programs) bind every argument by position,
+    needs_input_grad included (an attribute of their ONNX nodes)."""
+    schema = target._schema
+    if all(a.name != NEEDS_INPUT_GRAD for a in schema.arguments):
+        return bind(schema, args, kwargs)
+    out = []
+    for i, a in enumerate(schema.arguments):
+        if i < len(args):
+            out.append((a, args[i]))
+        elif a.name in kwargs:
+            out.append((a, kwargs[a.name]))
+        elif a.has_default_value():
+            out.append((a, a.default_value))
+    return out
 
 
 def _constants(target, args, kwargs) -> tuple:
@@ -245,21 +254,8 @@ def _constants(target, args, kwargs) -> tuple:
         return tuple(plain(x) for x in v) if isinstance(v, (list, tuple)) else v
 
     return tuple(
-        (a.name, plain(v)) for a, v in _bind(target, args, kwargs) if _tensor_kind(a.type) is None
+        (a.name, plain(v)) for a, v in _bind(target, args, kwargs) if _tensor_kind(a) is None
     )
-
-
-def _bind(target, args, kwargs) -> list:
-    """(schema argument, value) for every argument of a call, defaults filled in."""
-    out = []
-    for i, a in enumerate(target._schema.arguments):
-        if i < len(args):
-            out.append((a, args[i]))
-        elif a.name in kwargs:
-            out.append((a, kwargs[a.name]))
-        elif a.has_default_value():
-            out.append((a, a.default_value))
-    return out
 
 
 def _attribute(arg, value) -> Optional[ir.Attr]:
@@ -284,8 +280,8 @@ def _split(target, args, kwargs) -> tuple:
     """The call's (name, tensor) inputs and its attributes."""
     inputs, attrs = [], []
     for arg, value in _bind(target, args, kwargs):
-        kind = _tensor_kind(arg.type)
-        if kind in ("list", "optlist"):
+        kind = _tensor_kind(arg)
+        if kind == "list":
             inputs += [(f"{arg.name}_{i}", v) for i, v in enumerate(value)]
         elif kind == "one":
             inputs.append((arg.name, value))
@@ -314,13 +310,6 @@ def _call(domain: str, name: str, version: int, inputs: list, attrs: list, n_out
 def _static(size) -> Optional[int]:
     """The size as an int, None when it is symbolic."""
     return int(size) if is_concrete_int(size) else None
-
-
-def _hint(size) -> int:
-    if isinstance(size, torch.SymInt):
-        hint = size.node.hint
-        return int(hint) if hint is not None else 7
-    return int(size)
 
 
 def _rebuild(template: list, tensors) -> list:
@@ -425,7 +414,7 @@ class _Exporter:
         else:
             return
         for arg, value in args:
-            if _tensor_kind(arg.type) is None and value is not None and arg.name not in known:
+            if _tensor_kind(arg) is None and value is not None and arg.name not in known:
                 raise OnnxExportError(
                     f"torch_opaque.onnx: {qual} has argument '{arg.name}', which ONNX "
                     f"{getattr(mapped, 'name', mapped)} has no attribute for (it has: "
@@ -518,8 +507,8 @@ class _Exporter:
             )
         template, fakes, key, names = [], [], [], []
         for arg, value in _bind(info.target, fx_node.args, fx_node.kwargs):
-            kind = _tensor_kind(arg.type)
-            if kind == "optlist":
+            kind = _tensor_kind(arg)
+            if kind == "list" and value is not None and any(v is None for v in value):
                 template.append(("O", [v is None for v in value]))
                 names += [f"{arg.name}_{i}" for i in range(len(value))]
                 for v in value:
@@ -593,7 +582,7 @@ class _Exporter:
     def _trace_body(self, info: OpaqueInfo, body, fakes) -> torch.export.ExportedProgram:
         qual = info.qualified_name
         examples = tuple(
-            torch.zeros([_hint(s) for s in f.shape], dtype=f.dtype, device=f.device)
+            torch.zeros([size_hint(s) for s in f.shape], dtype=f.dtype, device=f.device)
             for f in fakes
         )
         dynamic = tuple(
@@ -634,7 +623,7 @@ def _refuse_symbolic(args: list, qual: str, fx_node, example: str, advice: str) 
     """Non-tensor arguments become ONNX attributes, which are constants."""
     for arg, value in args:
         values = value if isinstance(value, (list, tuple)) else [value]
-        if _tensor_kind(arg.type) is None and any(isinstance(v, torch.fx.Node) for v in values):
+        if _tensor_kind(arg) is None and any(isinstance(v, torch.fx.Node) for v in values):
             raise OnnxExportError(
                 f"torch_opaque.onnx: argument '{arg.name}' of {qual} is a symbolic value at "
                 f"{fx_node.name} {example}, but ONNX attributes are constants. {advice}"
