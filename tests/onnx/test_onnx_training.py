@@ -11,7 +11,35 @@ import torch_opaque
 import torch_opaque.onnx
 from torch_opaque.onnx import OnnxExportError
 from test_onnx import SvdTop
-from test_training import RoundSTE, ScaledSin  # TrainRoundSTE, TrainScaledSin
+
+
+@torch_opaque.op(name="OnnxTrainSignSTE")
+class SignSTE(torch.autograd.Function):
+    """Straight-through sign (clipped): autodiff of sign would give zero."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return torch.sign(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        return g * (x.abs() <= 1).to(g.dtype)
+
+
+@torch_opaque.op(name="OnnxTrainScaledExp")
+class ScaledExp(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, scale: float):
+        ctx.save_for_backward(x)
+        ctx.scale = scale
+        return torch.exp(x) * scale
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        return g * torch.exp(x) * ctx.scale, None
 
 
 @torch_opaque.op(name="OnnxTrainMulTanh")
@@ -40,8 +68,8 @@ class Net(torch.nn.Module):
         self.gate = torch.nn.Parameter(torch.randn(6))
 
     def forward(self, x, target):
-        h = RoundSTE.apply(self.lin1(x), 4.0)
-        h = MulTanh.apply(ScaledSin.apply(h, 1.5), self.gate)
+        h = SignSTE.apply(self.lin1(x))
+        h = MulTanh.apply(ScaledExp.apply(h * 0.5, 1.5), self.gate)
         return torch.nn.functional.mse_loss(self.lin2(h), target)
 
 
@@ -77,11 +105,11 @@ def test_onnxruntime_computes_the_loss_and_gradients_of_eager_autograd(dynamic):
         dynamic_shapes=({0: batch}, {0: batch}) if dynamic else None,
     )
     proto = torch_opaque.onnx.export(step)
-    roles = ["OnnxTrainMulTanh", "TrainRoundSTE", "TrainScaledSin"]
+    roles = ["OnnxTrainMulTanh", "OnnxTrainScaledExp", "OnnxTrainSignSTE"]
     assert custom(proto) == sorted(f"{n}_{r}" for n in roles for r in ("fwd", "bwd"))
     bodies = {f.name: [n.op_type for n in f.node] for f in proto.functions}
-    assert "Round" in bodies["TrainRoundSTE_fwd"]
-    assert "Cos" in bodies["TrainScaledSin_bwd"]  # the custom backward, not autodiff
+    assert "Sign" in bodies["OnnxTrainSignSTE_fwd"]
+    assert "Abs" in bodies["OnnxTrainSignSTE_bwd"]  # the custom backward, not autodiff
     assert len(proto.graph.output) == len(torch_opaque.training_outputs(step)) == 6
     for n in (5, 9) if dynamic else (5,):
         x, t = torch.randn(n, 4), torch.randn(n, 2)
@@ -93,9 +121,9 @@ def test_onnxruntime_computes_the_loss_and_gradients_of_eager_autograd(dynamic):
 def test_functions_false_gives_bare_training_nodes():
     step = torch_opaque.export_training(Net(), (torch.randn(5, 4), torch.randn(5, 2)))
     proto = torch_opaque.onnx.export(step, functions=False)
-    assert "TrainScaledSin_bwd" in custom(proto)
+    assert "OnnxTrainScaledExp_bwd" in custom(proto)
     assert [f.name for f in proto.functions if f.domain == "opaque"] == []
-    bwd = next(n for n in proto.graph.node if n.op_type == "TrainScaledSin_bwd")
+    bwd = next(n for n in proto.graph.node if n.op_type == "OnnxTrainScaledExp_bwd")
     attrs = {a.name: a for a in bwd.attribute}
     assert list(attrs["needs_input_grad"].ints) == [1, 0]
     assert "1.5" in attrs["state"].s.decode()
@@ -104,9 +132,9 @@ def test_functions_false_gives_bare_training_nodes():
 def test_mapping_an_op_of_a_training_program_is_refused():
     step = torch_opaque.export_training(Net(), (torch.randn(5, 4), torch.randn(5, 2)))
     with pytest.raises(OnnxExportError) as info:
-        torch_opaque.onnx.export(step, mapping={ScaledSin: "Sin"})
+        torch_opaque.onnx.export(step, mapping={ScaledExp: "Exp"})
     assert str(info.value).startswith(
-        "torch_opaque.onnx: mapping names opaque::TrainScaledSin, but this training program"
+        "torch_opaque.onnx: mapping names opaque::OnnxTrainScaledExp, but this training program"
     )
 
 
@@ -136,11 +164,11 @@ def test_training_forward_without_onnx_translation_names_the_function_and_the_wa
 def test_an_ordinary_exported_program_still_exports():
     class M(torch.nn.Module):
         def forward(self, x):
-            return ScaledSin.apply(x, 2.0) + 1
+            return ScaledExp.apply(x, 2.0) + 1
 
     ep = torch.export.export(M(), (torch.randn(4, 3),))
     proto = torch_opaque.onnx.export(ep)
-    assert custom(proto) == ["TrainScaledSin"]
+    assert custom(proto) == ["OnnxTrainScaledExp"]
     x = torch.randn(4, 3)
     (y,) = run_ort(proto, x)
     np.testing.assert_allclose(y, M()(x).numpy(), rtol=1e-6, atol=1e-6)
