@@ -34,3 +34,8 @@ class ArchiveError(TorchOpaqueError, RuntimeError):
 
 class OpNotAllowedError(ArchiveError):
     """The archive needs ops whose defining modules ``load`` may not import."""
+
+
+class OnnxExportError(TorchOpaqueError, RuntimeError):
+    """An opaque op that cannot be exported to ONNX as asked
+    (``torch_opaque.onnx.export``); the message says what to pass."""

@@ -513,7 +513,11 @@ py::tuple run_forward_from_python(py::object runner, py::object forward, py::obj
 }
 
 py::tuple run_first_forward_from_python(py::object runner, py::object needs, py::tuple args) {
-  ForwardSpec s = forward_spec(runner);
+  ForwardSpec s;  // (the number of outputs is not known yet)
+  s.fn_name = runner.attr("fn_name");
+  s.runner = runner;
+  s.forward = runner.attr("forward");
+  s.setup = runner.attr("setup_context");
   py::object ctx = steal(new_forward_context(s.fn_name.ptr(), needs.ptr()));
   at::AutoGradMode no_grad(false);  // forwards run without grad, as under the Autograd kernel
   py::object out = call_checked_forward(s, args, ctx);

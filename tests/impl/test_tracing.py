@@ -1,11 +1,23 @@
 """torch_opaque._impl.tracing: sizes for symbolic dimensions, real-shaped
-stand-ins, and copies of outputs that alias inputs."""
+stand-ins, copies of outputs that alias inputs, and tracing one kind of call
+to ATen."""
 
 import torch
+import torch_opaque
 from torch._dynamo.source import ConstantSource
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
-from torch_opaque._impl.tracing import FALLBACK_SIZE_HINT, real_shaped, size_hint, unalias
+from torch_opaque._impl.bridge import SavedKind, saved_triples
+from torch_opaque._impl.function import lookup
+from torch_opaque._impl.tracing import (
+    FALLBACK_SIZE_HINT,
+    CallTemplate,
+    ForwardTrace,
+    real_shaped,
+    size_hint,
+    trace_to_aten,
+    unalias,
+)
 
 
 def test_size_hint_of_ints_and_backed_symbols():
@@ -48,3 +60,55 @@ def test_unalias_copies_outputs_sharing_storage_with_inputs_or_earlier_outputs()
     torch.testing.assert_close(outs[4], e)
     same = (x.exp(),)
     assert unalias(same, [x])[0] is same[0]
+
+
+class ScaledSin(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, scale: float, extra):
+        ctx.save_for_backward(x)
+        ctx.scale = scale
+        return x.sin() * scale + sum(extra)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        return grad * x.cos() * ctx.scale, None, None
+
+
+StockScaledSin = type("StockScaledSin", (torch.autograd.Function,), dict(ScaledSin.__dict__))
+torch_opaque.wrap(ScaledSin, name="TraceScaledSin")
+
+
+def _traced_call(needs=None, report=None, tail=()):
+    """ScaledSin's forward for calls (tensor, 2.0, [tensor, tensor]) as an ATen program."""
+    x, extra = torch.randn(5, 3), [torch.randn(5, 3), torch.randn(5, 3)]
+    ScaledSin.apply(x, 2.0, extra)
+    (ov,) = lookup(ScaledSin).overloads.values()
+    slots = [("T",), ("C", 2.0), ("L", 2), *tail]
+    module = ForwardTrace(ov.runner, CallTemplate(slots), needs=needs, report=report,
+                          state_ints=report is not None)
+    dim = torch.export.Dim("n")
+    return trace_to_aten(module, [x, *extra], [{0: dim}, {0: dim}, {0: dim}])
+
+
+def test_forward_trace_of_a_call_kind_is_an_aten_program_with_stock_values():
+    prog = _traced_call()
+    targets = {n.target for n in prog.graph.nodes if n.op == "call_function"}
+    assert targets and all(t.namespace == "aten" for t in targets), targets
+    y, e = torch.randn(7, 3), [torch.randn(7, 3), torch.randn(7, 3)]
+    (got,) = prog.module()([y, *e])
+    torch.testing.assert_close(got, StockScaledSin.apply(y, 2.0, e))
+
+
+def test_forward_trace_records_with_the_given_or_the_calls_own_needs_input_grad():
+    unrecorded = []
+    _traced_call(report=unrecorded.append)
+    assert unrecorded == []  # needs None: not recorded, as the inference op
+    given, own = [], []
+    _traced_call(needs=(True, False, False), report=given.append)
+    # a Name_fwd call carries its needs_input_grad as its last argument
+    _traced_call(report=own.append, tail=[("C", [True, False, False])])
+    saved, _non_diff, _materialize, state, _ints = given[-1]
+    assert saved_triples(saved) == [(SavedKind.INPUT, 0, 0)]  # x, the first argument
+    assert state  # ctx.scale
+    assert own[-1][0] == saved and own[-1][3] == state

@@ -1,14 +1,25 @@
 """What every Python caller that traces an opaque call needs, once: a size for
-a symbolic dimension, real-shaped stand-ins for traced values, and copies of
-outputs that alias inputs.
+a symbolic dimension, real-shaped stand-ins for traced values, copies of
+outputs that alias inputs, and one "trace this kind of call to ATen".
 
 Used by the first-call probe (function.py), auto() (hooks/auto.py), graph
-passes, stored programs (archive/) and ONNX export.
+passes, stored programs (archive/) and ONNX export (onnx/).
+
+Note [Tracing a call kind to ATen]
+Self-contained archives (archive/trace.py) and ONNX functions (onnx/functions.py)
+both need the user's forward of one kind of call (argument dtypes, constants,
+which sizes are static) as an ATen program. Both describe the call by a
+:class:`CallTemplate` (per schema argument: a tensor, a tensor list, None, a
+symbolic int or a constant), run the forward through :class:`ForwardTrace`
+(the overload's ``kernels.Runner``, so the same C++ run as the real kernel,
+Note [Python kernels]) and trace it with :func:`trace_to_aten`
+(``torch.export``, non-strict, one list input). ``_fwd``'s trailing
+needs_input_grad is told apart by the runner's :class:`~.calls.CallSignature`.
 """
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import sympy
 import torch
@@ -86,3 +97,90 @@ def unalias(outs: Sequence, inputs: Sequence) -> tuple:
                 fixed = list(outs)
             fixed[k] = o.clone()
     return tuple(outs) if fixed is None else tuple(fixed)
+
+
+# ---- tracing one kind of call to ATen (Note [Tracing a call kind to ATen]) --------------
+
+
+class CallTemplate:
+    """How a call's arguments, in schema order, come from a flat list of traced
+    inputs (tensors, then symbolic ints). ``slots``, per argument: ``("T",)`` a
+    tensor, ``("L", n)`` a list of n tensors, ``("O", nones)`` a ``Tensor?[]``
+    (None where ``nones`` says), ``("N",)`` a None tensor, ``("I",)`` a symbolic
+    int, ``("C", value)`` a constant.
+
+    Example::
+
+        >>> import torch
+        >>> from torch_opaque._impl.tracing import CallTemplate
+        >>> t = CallTemplate([("T",), ("C", 2.0), ("O", (False, True)), ("I",)])
+        >>> a, b = torch.ones(1), torch.zeros(1)
+        >>> t.rebuild([a, b, 5])
+        [tensor([1.]), 2.0, [tensor([0.]), None], 5]
+    """
+
+    __slots__ = ("slots",)
+
+    def __init__(self, slots: Sequence[tuple]):
+        self.slots = tuple(slots)
+
+    def rebuild(self, flat: Sequence) -> list:
+        """The call's arguments from its traced inputs."""
+        tensors = iter([x for x in flat if isinstance(x, torch.Tensor)])
+        ints = iter([x for x in flat if not isinstance(x, torch.Tensor)])
+        args = []
+        for slot in self.slots:
+            k = slot[0]
+            if k == "T":
+                args.append(next(tensors))
+            elif k == "L":
+                args.append([next(tensors) for _ in range(slot[1])])
+            elif k == "O":
+                args.append([None if none else next(tensors) for none in slot[1]])
+            elif k == "N":
+                args.append(None)
+            elif k == "I":
+                args.append(next(ints))
+            else:
+                args.append(slot[1])
+        return args
+
+
+class ForwardTrace(torch.nn.Module):
+    """The user's forward for one kind of call, as a module torch.export traces:
+    ``flat`` (tensors, then symbolic ints) -> outputs, and when the call is
+    recorded its residuals and state ints too.
+
+    ``runner``: the overload's ``kernels.Runner`` (the C++ run of the real
+    kernel, which copies outputs that alias inputs; grad mode is left alone, as
+    tracing requires). needs_input_grad is the rebuilt call's own trailing one
+    (a ``Name_fwd`` call), else ``needs`` (None: not recorded). ``report``
+    receives the forward record; it is kept outside the module's state, since
+    torch.export restores state reachable from the module after tracing."""
+
+    def __init__(self, runner, template: CallTemplate, needs: Optional[Sequence[bool]] = None,
+                 report: Optional[Callable] = None, state_ints: bool = False):
+        super().__init__()
+        self.runner, self.template = runner, template
+        self.needs = tuple(needs) if needs is not None else None
+        self._report = report
+        self.state_ints = state_ints
+
+    def forward(self, flat):
+        args = self.template.rebuild(list(flat))
+        args, _, needs = self.runner.signature.split_needs_input_grad(args, {})
+        needs = tuple(bool(n) for n in needs) if needs is not None else self.needs
+        outs, residuals, record = self.runner.run(needs, args)
+        if record is None:
+            return tuple(outs)
+        if self._report is not None:
+            self._report(record)
+        return (*outs, *residuals, *(record[4] if self.state_ints else ()))
+
+
+def trace_to_aten(module: torch.nn.Module, flat: Sequence, dynamic: Sequence):
+    """``module(flat)`` traced to an ATen ExportedProgram (torch.export,
+    non-strict); ``dynamic``: per item of ``flat``, its dynamic dims (a dict, or
+    ``torch.export.Dim`` for an int) or None."""
+    return torch.export.export(module, (list(flat),), dynamic_shapes=(list(dynamic),),
+                               strict=False)

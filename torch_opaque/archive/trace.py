@@ -15,7 +15,7 @@ import torch
 
 from .._impl.bridge import SavedKind, saved_triples
 from .._impl.kernels import BackwardRunner, Runner
-from .._impl.tracing import size_hint
+from .._impl.tracing import CallTemplate, ForwardTrace, size_hint, trace_to_aten
 from ..errors import ArchiveError
 from .optional_outputs import optional_tensor_list_results
 from .manifest import PROGRAM_PREFIX, SAVED_KIND_NAMES, ArgRecord, SavedRecord, TensorSig, VariantRecord
@@ -93,34 +93,6 @@ def _example_tensor(t) -> torch.Tensor:
     return torch.zeros(shape, dtype=t.dtype, device=t.device)
 
 
-class _ForwardTrace(torch.nn.Module):
-    """The user's forward, as a module torch.export can trace: (flat tensors and
-    symbolic ints) -> (outputs, residuals, state ints)."""
-
-    def __init__(self, fn, overload, desc, report):
-        super().__init__()
-        ov = fn.overloads[overload]
-        setup = fn.cls.setup_context if fn.setup_style else None
-        self.runner = Runner(fn.display_name, fn.cls.forward, setup, ov.specs, ov.n_out)
-        self.fn_name = fn.display_name
-        self.desc = desc
-        # torch.export restores state reachable from the module after tracing:
-        # the record goes to a list the module does not reference.
-        self._report = report
-
-    def forward(self, flat):
-        args = _rebuild_args(self.desc, list(flat))
-        needs = tuple(
-            d["kind"] == "tensor" and args[i] is not None for i, d in enumerate(self.desc)
-        )
-        # The C++ run copies outputs and residuals that alias inputs (Note [One
-        # forward finisher]); grad mode is left alone, as tracing requires.
-        outs, residuals, record = self.runner.run(needs, args)
-        saved, non_diff, _materialize, state, state_ints = record
-        self._report((list(saved), list(non_diff), state, len(state_ints)))
-        return (*outs, *residuals, *state_ints)
-
-
 class _BackwardTrace(torch.nn.Module):
     """The user's backward: (saved tensors, output grads, state ints) -> grads."""
 
@@ -132,7 +104,7 @@ class _BackwardTrace(torch.nn.Module):
         self.n_out = n_out
         self.state = state
         self.needs = needs
-        self._report = report  # the positions of non-None gradients (see _ForwardTrace)
+        self._report = report  # the positions of non-None gradients (see ForwardTrace)
 
     def forward(self, flat):
         flat = list(flat)
@@ -147,24 +119,12 @@ class _BackwardTrace(torch.nn.Module):
         return tuple(res[i] for i in positions)
 
 
-def _rebuild_args(desc, flat: list) -> list:
-    """Operator arguments from a variant description and its flat program inputs."""
-    tensors = [x for x in flat if isinstance(x, torch.Tensor)]
-    ints = [x for x in flat if not isinstance(x, torch.Tensor)]
-    args = []
-    for d in desc:
-        k = d["kind"]
-        if k == "none":
-            args.append(None)
-        elif k == "tensor":
-            args.append(tensors.pop(0))
-        elif k == "tensors":
-            args.append([tensors.pop(0) for _ in d["items"]])
-        elif k == "dyn":
-            args.append(ints.pop(0))
-        else:
-            args.append(decode_value(d["value"]))
-    return args
+def _template(desc) -> CallTemplate:
+    """The call template (Note [Tracing a call kind to ATen]) of a variant description."""
+    slots = {"none": lambda d: ("N",), "tensor": lambda d: ("T",), "dyn": lambda d: ("I",),
+             "tensors": lambda d: ("L", len(d["items"])),
+             "const": lambda d: ("C", decode_value(d["value"]))}
+    return CallTemplate([slots[d["kind"]](d) for d in desc])
 
 
 def _program_bytes(prog) -> str:
@@ -176,7 +136,7 @@ def _program_bytes(prog) -> str:
 
 def _export(module, flat, dyn, what: str):
     try:
-        return torch.export.export(module, (flat,), dynamic_shapes=(dyn,), strict=False)
+        return trace_to_aten(module, flat, dyn)
     except Exception as e:
         raise RuntimeError(f"torch.export of the {what} failed: {type(e).__name__}: {e}") from e
 
@@ -256,10 +216,16 @@ def _meta_dims(val) -> Optional[dict]:
 
 def _trace_variant(fn, overload, schema, desc, flat, dyn) -> tuple:
     n_out = fn.overloads[overload].n_out
+    ov = fn.overloads[overload]
+    setup = fn.cls.setup_context if fn.setup_style else None
+    runner = Runner(fn.display_name, fn.cls.forward, setup, ov.specs, n_out)
+    template = _template(desc)
+    needs = [d["kind"] == "tensor" for d in desc]
     records: list = []
-    fwd_mod = _ForwardTrace(fn, overload, desc, lambda r: records.append(r))
+    fwd_mod = ForwardTrace(runner, template, needs, records.append, state_ints=True)
     fwd_prog = _export(fwd_mod, flat, dyn, "forward")
-    saved, non_diff, state, n_ints = records[-1]
+    saved, non_diff, _materialize, state, state_ints = records[-1]
+    n_ints = len(state_ints)
     with torch.no_grad():
         res = list(fwd_prog.module()(flat))
     n_res = len(res) - n_out - n_ints
@@ -283,7 +249,7 @@ def _trace_variant(fn, overload, schema, desc, flat, dyn) -> tuple:
             for j in range(len(d["items"])):
                 flat_pos[(i, j)] = pos
                 pos += 1
-    args = _rebuild_args(desc, list(flat))
+    args = template.rebuild(list(flat))
 
     b_flat, b_dyn, saved_none = [], [], []
     for kind, index, item in saved_triples(saved):
@@ -313,7 +279,6 @@ def _trace_variant(fn, overload, schema, desc, flat, dyn) -> tuple:
     for k, v in enumerate(ints):
         b_flat.append(int(v))
         b_dyn.append(_meta_dims(out_vals[n_out + n_res + k]))
-    needs = [d["kind"] == "tensor" for d in desc]
     box: list = []
     bwd_mod = _BackwardTrace(fn, overload, saved_none, n_out, state, needs, box.append)
     bwd_prog = _export(bwd_mod, b_flat, b_dyn, "backward")

@@ -6,7 +6,7 @@ A program from ``torch_opaque.export_training`` calls each Function as
 ``Name_bwd(Tensor?[] saved, Tensor?[] grads, bool[] needs_input_grad, str state,
 SymInt[] state_ints) -> Tensor?[]``. Each call becomes one node of the custom
 domain, ``op_type`` ``Name_fwd`` / ``Name_bwd``, as the inference op does
-(Note [ONNX export of opaque ops] in onnx.py), with these differences:
+(Note [ONNX export of opaque ops] in torch_opaque/onnx/__init__.py), with these differences:
 
 * outputs are flat: ``Name_fwd`` has the outputs, then one output per residual;
   ``Name_bwd`` one output per gradient the call produces (its ``None``
@@ -23,16 +23,18 @@ domain, ``op_type`` ``Name_fwd`` / ``Name_bwd``, as the inference op does
   a string attribute (so the backward's ctx state is baked into its node and
   function);
 * the function bodies: ``Name_fwd`` is the user's forward run by the same C++
-  path as the real kernel (outputs and residuals), ``Name_bwd`` the user's
-  backward run with the call's state; both traced to ATen and exported as the
-  inference bodies are.
+  path as the real kernel (outputs and residuals: ``_impl.tracing.ForwardTrace``,
+  which takes needs_input_grad from the call), ``Name_bwd`` the user's
+  backward run with the call's state (:class:`BackwardBody`); both traced to
+  ATen and exported as the inference bodies are (onnx/functions.py).
 """
 
 from __future__ import annotations
 
 import torch
 
-from ._impl.kernels import BackwardRunner
+from .._impl.kernels import BackwardRunner
+from .._impl.tracing import CallTemplate
 
 
 class TrainingCalls:
@@ -73,33 +75,17 @@ class ValueList(list):
         return None
 
 
-class ForwardBody(torch.nn.Module):
-    """``Name_fwd`` of one call: tensors in, outputs and residuals out."""
-
-    def __init__(self, ov, template: list, rebuild):
-        super().__init__()
-        self.ov, self.template, self.rebuild = ov, template, rebuild
-
-    def forward(self, *tensors):
-        args = self.rebuild(self.template, tensors)
-        needs = args[-1]
-        outs, residuals, _record = self.ov.runner.run(
-            tuple(bool(n) for n in needs) if needs is not None else None, args[:-1]
-        )
-        return (*outs, *residuals)
-
-
 class BackwardBody(torch.nn.Module):
     """``Name_bwd`` of one call: saved tensors and output gradients in, the
     gradients that are not None out."""
 
-    def __init__(self, fn, ov, template: list, rebuild, positions: tuple):
+    def __init__(self, fn, ov, template: CallTemplate, positions: tuple):
         super().__init__()
         self.runner = BackwardRunner(fn.display_name, fn.cls.backward, ov.specs)
-        self.template, self.rebuild, self.positions = template, rebuild, positions
+        self.template, self.positions = template, positions
 
-    def forward(self, *tensors):
-        saved, grads, needs, state, state_ints = self.rebuild(self.template, tensors)
+    def forward(self, flat):
+        saved, grads, needs, state, state_ints = self.template.rebuild(list(flat))
         (res,) = self.runner(list(saved), list(grads), list(needs), state, list(state_ints))
         missing = [i for i in self.positions if res[i] is None]
         if missing:
