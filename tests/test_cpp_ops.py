@@ -13,13 +13,9 @@ import torch_opaque
 from conftest import aten_calls, op_calls
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-LIB = ROOT / "build" / "examples_cpp" / "libexample_ops.so"
 
 
-@pytest.fixture(scope="module", autouse=True)
-def example_ops():
-    assert LIB.exists(), f"{LIB} is missing: run scripts/dev.sh build first"
-    torch_opaque.load_library(LIB)
+pytestmark = pytest.mark.usefixtures("example_ops")
 
 
 class Model(torch.nn.Module):
