@@ -37,7 +37,7 @@ void set_forward_record_py(const std::vector<int64_t>& saved,
 // ctx.new_dynamic_size() asks the fake tracing context for an unbacked size.
 c10::SymInt dynamic_size_from_python(int64_t min, std::optional<int64_t> max) {
   py::gil_scoped_acquire gil;
-  py::object fn = py::module_::import("torch_opaque._impl.kernels").attr("new_dynamic_size");
+  py::object fn = py::module_::import("torch_opaque._impl.bridge").attr("new_dynamic_size");
   return py::cast<c10::SymInt>(fn(min, max));
 }
 

@@ -221,26 +221,3 @@ def make_backward_fake(runner: BackwardRunner, fn_name: str) -> Callable:
             ) from e
 
     return fake_backward
-
-
-def new_dynamic_size(min: int, max):
-    """A new data-dependent (unbacked) size for a C++ fake's
-    ``ctx.new_dynamic_size()`` (Note [Data-dependent sizes] in
-    include/torch_opaque/fake_checks.h): from the fake tracing context, as
-    ``torch.library.get_ctx().new_dynamic_size()`` gives in a Python fake."""
-    from torch._library import fake_impl
-
-    ctx = fake_impl.global_ctx_getter()
-    if ctx is None:
-        mode = torch._guards.detect_fake_mode()
-        if mode is None:
-            mode = torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE)
-        if mode is None:
-            raise RuntimeError(
-                "torch_opaque: ctx.new_dynamic_size() creates a data-dependent size while "
-                "torch.export or torch.compile traces the op with fake tensors; there is no "
-                "fake tensor mode here. Call the op on real tensors, or trace it."
-            )
-        ctx = fake_impl.FakeImplCtx(mode, None)
-    return ctx.new_dynamic_size(min=min, max=max)
-
