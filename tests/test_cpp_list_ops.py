@@ -136,3 +136,17 @@ def test_compile_fullgraph(backend):
         torch.testing.assert_close(x.grad, x2.grad)
         for g, p in zip(grads, model.parameters()):
             torch.testing.assert_close(g, p.grad)
+
+
+def test_double_backward_through_lists():
+    """The `_bwd` op's Autograd kernel (double backward) with one gradient per
+    list element and per Tensor[] output."""
+    xs = [torch.randn(3, dtype=torch.double, requires_grad=True) for _ in range(2)]
+    w = torch.randn(2, dtype=torch.double, requires_grad=True)
+    assert torch.autograd.gradgradcheck(
+        lambda a, b, w: torch.ops.example.weighted_sum([a, b], w), (*xs, w)
+    )
+    x = torch.randn(2, 4, dtype=torch.double, requires_grad=True)
+    assert torch.autograd.gradgradcheck(
+        lambda t: tuple(torch.ops.example.power_means(t, [2, 3])), (x,)
+    )
