@@ -37,6 +37,7 @@ from ..errors import FakeForwardError, SchemaError
 from ..hooks import apply as _apply_hook
 from .kernels import BackwardRunner, FakeRunner, InferenceFake, Runner, check_tensor_outputs
 from .kernels import make_backward_fake, modified_input_error
+from . import batching
 from .schema import kinds_key, returns_from_hint, specs_from_hints
 from .schema import schema_arguments, specs_from_values
 
@@ -113,6 +114,8 @@ class Overload:
         torch.library.register_fake(self.op, InferenceFake(fake_runner), lib=fn.lib)
         torch.library.register_fake(self.fwd_op, fake_runner, lib=fn.lib)
         torch.library.register_fake(self.bwd_op, make_backward_fake(bwd, name), lib=fn.lib)
+        self.bwd_runner = bwd
+        batching.Rules(self, fn.cls).register(fn.lib, fn.name)
 
     def __call__(self, args):
         out = self.op(*args)

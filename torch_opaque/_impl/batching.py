@@ -1,0 +1,171 @@
+"""Batching rules (vmap) of a wrapped Function's ops.
+
+Note [Batching rules]
+Each overload registers a FuncTorchBatched kernel for ``Name``, ``Name_fwd``,
+``Name_bwd`` (and ``Name_jvp`` when defined), so ``torch.vmap``,
+``torch.func.jacrev``/``jacfwd``, ``vmap(grad(f))``,
+``autograd.grad(..., is_grads_batched=True)`` and
+``autograd.functional.jacobian(vectorize=True)`` work. Per op, in order:
+
+* the Function's ``vmap`` staticmethod (``Name``, and ``Name_fwd`` of a
+  Function with ``setup_context``, whose ctx is then set up from the batched
+  inputs and outputs, as stock autograd.Function does under torch.func);
+* ``generate_vmap_rule = True``: the user's code runs on the batched tensors
+  (the kernel as a decomposition, as stock runs forward and backward);
+* otherwise one call per sample, stacked.
+  ``is_grads_batched`` and ``jacobian(vectorize=True)`` use torch's older vmap
+  (the ``Batched`` key): there ``Name_bwd`` runs the user's backward on the
+  batched tensors, as stock autograd.Function does. A forward run per sample must leave
+  the same non-tensor ctx state for every sample (it becomes one backward).
+
+Per-sample calls run below the batching key at the current vmap level.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.utils._pytree as pytree
+from torch._C._functorch import _add_batch_dim, _unwrap_batched
+from torch._functorch.pyfunctorch import retrieve_current_functorch_interpreter
+
+from .. import _C
+from ..errors import UnsupportedError
+
+_BATCHED = torch._C.DispatchKeySet(torch._C.DispatchKey.FuncTorchBatched)
+
+
+def _below():
+    return torch._C._ExcludeDispatchKeyGuard(_BATCHED)
+
+
+def _unwrap(args, level):
+    flat, spec = pytree.tree_flatten(list(args))
+    pairs = [_unwrap_batched(a, level) if isinstance(a, torch.Tensor) else (a, None) for a in flat]
+    return [p[0] for p in pairs], [p[1] for p in pairs], spec
+
+
+def _sample(flat, dims, spec, b):
+    leaves = [a if d is None else a.select(d, b) for a, d in zip(flat, dims)]
+    return pytree.tree_unflatten(leaves, spec)
+
+
+def _stack(results, level):
+    """Per-sample results (same structure, tensors or None) -> batched at `level`."""
+    flats = [pytree.tree_flatten(r) for r in results]
+    spec = flats[0][1]
+    out = []
+    for leaves in zip(*(f[0] for f in flats)):
+        if leaves[0] is None or not isinstance(leaves[0], torch.Tensor):
+            out.append(leaves[0])
+        else:
+            out.append(_add_batch_dim(torch.stack(leaves), 0, level))
+    return pytree.tree_unflatten(out, spec)
+
+
+def per_sample(call, args):
+    """``call(*args)`` for each sample of the current vmap level, stacked."""
+    interp = retrieve_current_functorch_interpreter()
+    level = interp.level()
+    flat, dims, spec = _unwrap(args, level)
+    with _below():
+        if all(d is None for d in dims):
+            return call(*pytree.tree_unflatten(flat, spec))
+        results = [call(*_sample(flat, dims, spec, b)) for b in range(interp.batch_size())]
+    return _stack(results, level)
+
+
+class Rules:
+    """The FuncTorchBatched kernels of one Overload (Note [Batching rules])."""
+
+    def __init__(self, overload, cls):
+        self.ov = overload
+        self.cls_vmap = cls.vmap
+        self.user_vmap = cls.vmap is not torch.autograd.Function.vmap
+        self.generate = bool(getattr(cls, "generate_vmap_rule", False))
+        self.setup_style = overload.fn.setup_style
+
+    def register(self, lib, base: str):
+        suffix = f".{self.ov.overload}" if self.ov.overload else ""
+        lib.impl(f"{base}{suffix}", self.op, "FuncTorchBatched")
+        lib.impl(f"{base}_fwd{suffix}", self.fwd, "FuncTorchBatched")
+        lib.impl(f"{base}_bwd{suffix}", self.bwd, "FuncTorchBatched")
+        lib.impl(f"{base}_bwd{suffix}", self.bwd_legacy, "Batched")
+
+    # ---- Name (no graph) ------------------------------------------------------
+
+    def _single(self, outs):
+        return outs[0] if len(outs) == 1 else tuple(outs)
+
+    def op(self, *args):
+        ov = self.ov
+        if self.user_vmap and not self.generate:
+            from torch._functorch.autograd_function import custom_function_call_vmap_helper
+
+            def rule(info, in_dims, *a):
+                return self.cls_vmap(info, in_dims, *ov.runner.convert_args(a))
+
+            out = custom_function_call_vmap_helper(
+                retrieve_current_functorch_interpreter(), rule, ov.op, *args
+            )
+            return out[0] if isinstance(out, tuple) and len(out) == 1 else out
+        if self.generate:
+            with torch.no_grad():
+                outs, _, _ = ov.runner.run(None, args)
+            return self._single(outs)
+        return per_sample(ov.op, args)
+
+    # ---- Name_fwd (a training forward: outputs, residuals, record) --------------
+
+    def fwd(self, *args):
+        ov = self.ov
+        needs, args = args[-1], args[:-1]
+        runner = ov.runner
+        level = retrieve_current_functorch_interpreter().level()
+        if all(d is None for d in _unwrap(args, level)[1]):
+            with _below():
+                return ov.fwd_op(*args, needs)
+        if self.user_vmap and self.setup_style and not self.generate:
+            outs = self.op(*args)  # the vmap staticmethod
+            outs, residuals, record = runner.run(needs, args, lambda *a: outs)
+        elif self.generate:
+            outs, residuals, record = runner.run(needs, args)
+        else:
+            outs, residuals, record = self._fwd_per_sample(needs, args)
+        if record is not None:
+            _C.set_forward_record(*record)
+        return (*outs, residuals)
+
+    def _fwd_per_sample(self, needs, args):
+        runner = self.ov.runner
+        records = []
+
+        def one(*a):
+            outs, residuals, record = runner.run(needs, a)
+            records.append(record)
+            return list(outs), residuals
+
+        outs, residuals = per_sample(one, args)
+        first = records[0]
+        for r in records[1:]:
+            if r != first:
+                raise UnsupportedError(
+                    f"torch_opaque: {runner.fn_name} under vmap: its forward, run once per "
+                    f"sample (it has no `vmap` staticmethod and no generate_vmap_rule), left "
+                    f"different ctx state or saved tensors for different samples, which one "
+                    f"backward cannot hold. Set generate_vmap_rule = True or add a `vmap` "
+                    f"staticmethod to {runner.fn_name}."
+                )
+        return outs, residuals, first
+
+    # ---- Name_bwd ---------------------------------------------------------------
+
+    def bwd(self, saved, grads, needs, state, state_ints):
+        ov = self.ov
+        if self.generate:
+            return list(ov.bwd_runner(saved, grads, needs, state, state_ints)[0])
+        return per_sample(
+            lambda s, g: ov.bwd_op(s, g, needs, state, state_ints), (saved, grads)
+        )
+
+    def bwd_legacy(self, saved, grads, needs, state, state_ints):
+        return list(self.ov.bwd_runner(saved, grads, needs, state, state_ints)[0])
