@@ -1,4 +1,5 @@
 #include "autograd_kernel.h"
+#include "forward_ad.h"
 
 #include <ATen/core/List.h>
 #include <ATen/core/stack.h>
@@ -201,6 +202,16 @@ void AutogradKernel::operator()(const c10::OperatorHandle& handle,
                                 c10::DispatchKeySet keys, torch::jit::Stack* stack) {
   std::shared_ptr<OpaqueOp> op = op_.lock();
   TORCH_INTERNAL_ASSERT(op, "opaque op used after its definition was destroyed");
+  if (has_forward_grads(*stack, op->num_arguments())) {
+    run_with_forward_grads(*op, stack, [&](torch::jit::Stack* s) { reverse(op, handle, keys, s); });
+    return;
+  }
+  reverse(op, handle, keys, stack);
+}
+
+void AutogradKernel::reverse(const std::shared_ptr<OpaqueOp>& op,
+                             const c10::OperatorHandle& handle, c10::DispatchKeySet keys,
+                             torch::jit::Stack* stack) {
   const size_t n_args = op->num_arguments();
   const size_t n_out = op->num_outputs();
 
@@ -217,11 +228,6 @@ void AutogradKernel::operator()(const c10::OperatorHandle& handle,
       if (args[i].isTensor()) {
         edge_args.push_back(i);
         const at::Tensor& t = args[i].toTensor();
-        TORCH_CHECK(!t.defined() || !t._fw_grad(/*level=*/0).defined(),
-                    op->qualified_name(),
-                    ": forward-mode AD (dual tensors, jvp) through an opaque op is not "
-                    "supported; opaque ops carry reverse-mode gradients only. Compute the "
-                    "jvp with reverse mode (torch.func.vjp) or keep this Function unwrapped.");
         if (grad_on && t.defined() && t.requires_grad()) {
           needs[i] = true;
           any = true;

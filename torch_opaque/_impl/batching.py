@@ -90,6 +90,9 @@ class Rules:
         lib.impl(f"{base}_fwd{suffix}", self.fwd, "FuncTorchBatched")
         lib.impl(f"{base}_bwd{suffix}", self.bwd, "FuncTorchBatched")
         lib.impl(f"{base}_bwd{suffix}", self.bwd_legacy, "Batched")
+        if self.ov.jvp_op is not None:
+            lib.impl(f"{base}_jvp{suffix}", self.jvp, "FuncTorchBatched")
+            lib.impl(f"{base}_jvp{suffix}", self.ov.jvp_kernel, "Batched")
 
     # ---- Name (no graph) ------------------------------------------------------
 
@@ -169,3 +172,10 @@ class Rules:
 
     def bwd_legacy(self, saved, grads, needs, state, state_ints):
         return list(self.ov.bwd_runner(saved, grads, needs, state, state_ints)[0])
+
+    # ---- Name_jvp (Note [Forward-mode AD] in forward_ad.py) ----------------------
+
+    def jvp(self, *args):
+        if self.generate:
+            return self.ov.jvp_kernel(*args)
+        return per_sample(self.ov.jvp_op, args)

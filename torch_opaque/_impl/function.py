@@ -37,7 +37,7 @@ from ..errors import FakeForwardError, SchemaError
 from ..hooks import apply as _apply_hook
 from .kernels import BackwardRunner, FakeRunner, InferenceFake, Runner, check_tensor_outputs
 from .kernels import make_backward_fake, modified_input_error
-from . import batching
+from . import batching, forward_ad
 from .schema import kinds_key, returns_from_hint, specs_from_hints
 from .schema import schema_arguments, specs_from_values
 
@@ -115,6 +115,9 @@ class Overload:
         torch.library.register_fake(self.fwd_op, fake_runner, lib=fn.lib)
         torch.library.register_fake(self.bwd_op, make_backward_fake(bwd, name), lib=fn.lib)
         self.bwd_runner = bwd
+        self.jvp_op = None
+        if forward_ad.has_jvp(fn.cls):
+            forward_ad.define(self, fn.cls, fn.lib, arguments)
         batching.Rules(self, fn.cls).register(fn.lib, fn.name)
 
     def __call__(self, args):
@@ -569,12 +572,12 @@ def _forget(fn: OpaqueFunction) -> None:
     from torch._library import simple_registry
 
     for ov in fn.overloads.values():  # the (now empty) fake-kernel entries
-        for suffix in ("", "_fwd", "_bwd"):
+        for suffix in ("", "_fwd", "_bwd", "_jvp"):
             base = f"{fn.namespace}::{fn.name}{suffix}"
             simple_registry.singleton._data.pop(f"{base}.{ov.name}", None)
             simple_registry.singleton._data.pop(base if not ov.overload else f"{base}.{ov.overload}", None)
     ns = getattr(torch.ops, fn.namespace)
-    for suffix in ("", "_fwd", "_bwd"):  # torch.ops' caches of the deregistered ops
+    for suffix in ("", "_fwd", "_bwd", "_jvp"):  # torch.ops' caches of the deregistered ops
         vars(ns).pop(fn.name + suffix, None)
         if fn.name + suffix in ns._dir:
             ns._dir.remove(fn.name + suffix)
