@@ -18,7 +18,9 @@ Each overload registers a FuncTorchBatched kernel for ``Name``, ``Name_fwd``,
   batched tensors, as stock autograd.Function does. A forward run per sample must leave
   the same non-tensor ctx state for every sample (it becomes one backward).
 
-Per-sample calls run below the batching key at the current vmap level.
+Per-sample calls run below the batching key on unwrapped tensors; a generated
+rule runs the user's code on the batched tensors (a decomposition); the vmap
+staticmethod runs through torch's own helper for it, one level down.
 """
 
 from __future__ import annotations
@@ -26,16 +28,11 @@ from __future__ import annotations
 import torch
 import torch.utils._pytree as pytree
 from torch._C._functorch import _add_batch_dim, _unwrap_batched
+from torch._functorch.autograd_function import custom_function_call_vmap_helper
 from torch._functorch.pyfunctorch import retrieve_current_functorch_interpreter
 
 from .. import _C
 from ..errors import UnsupportedError
-
-_BATCHED = torch._C.DispatchKeySet(torch._C.DispatchKey.FuncTorchBatched)
-
-
-def _below():
-    return torch._C._ExcludeDispatchKeyGuard(_BATCHED)
 
 
 def _unwrap(args, level):
@@ -49,21 +46,25 @@ def _sample(flat, dims, spec, b):
     return pytree.tree_unflatten(leaves, spec)
 
 
+def _batched(out, level):
+    return pytree.tree_map(
+        lambda t: _add_batch_dim(t, 0, level) if isinstance(t, torch.Tensor) else t, out
+    )
+
+
 def _stack(results, level):
     """Per-sample results (same structure, tensors or None) -> batched at `level`."""
     flats = [pytree.tree_flatten(r) for r in results]
-    spec = flats[0][1]
-    out = []
-    for leaves in zip(*(f[0] for f in flats)):
-        if leaves[0] is None or not isinstance(leaves[0], torch.Tensor):
-            out.append(leaves[0])
-        else:
-            out.append(_add_batch_dim(torch.stack(leaves), 0, level))
-    return pytree.tree_unflatten(out, spec)
+    stacked = [
+        torch.stack(leaves) if isinstance(leaves[0], torch.Tensor) else leaves[0]
+        for leaves in zip(*(f[0] for f in flats))
+    ]
+    return _batched(pytree.tree_unflatten(stacked, flats[0][1]), level)
 
 
 def per_sample(call, args):
-    """``call(*args)`` for each sample of the current vmap level, stacked."""
+    """``call(*args)`` for each sample of the current vmap level, stacked; the
+    calls run below the batching key (their tensors are unwrapped)."""
     interp = retrieve_current_functorch_interpreter()
     level = interp.level()
     flat, dims, spec = _unwrap(args, level)
@@ -74,11 +75,24 @@ def per_sample(call, args):
     return _stack(results, level)
 
 
+def _below():
+    return torch._C._ExcludeDispatchKeyGuard(
+        torch._C.DispatchKeySet(torch._C.DispatchKey.FuncTorchBatched)
+    )
+
+
+def generated(call, args):
+    """``call`` on the batched tensors themselves: the user's code is the batching
+    rule (a decomposition), as generate_vmap_rule makes it for stock Functions."""
+    return call(*args)
+
+
 class Rules:
     """The FuncTorchBatched kernels of one Overload (Note [Batching rules])."""
 
     def __init__(self, overload, cls):
         self.ov = overload
+        self.cls = cls
         self.cls_vmap = cls.vmap
         self.user_vmap = cls.vmap is not torch.autograd.Function.vmap
         self.generate = bool(getattr(cls, "generate_vmap_rule", False))
@@ -102,19 +116,25 @@ class Rules:
     def op(self, *args):
         ov = self.ov
         if self.user_vmap and not self.generate:
-            from torch._functorch.autograd_function import custom_function_call_vmap_helper
+            interp = retrieve_current_functorch_interpreter()
+            if all(d is None for d in _unwrap(args, interp.level())[1]):
+                with _below():
+                    return ov.op(*args)
 
             def rule(info, in_dims, *a):
                 return self.cls_vmap(info, in_dims, *ov.runner.convert_args(a))
 
-            out = custom_function_call_vmap_helper(
-                retrieve_current_functorch_interpreter(), rule, ov.op, *args
-            )
+            # The stock helper of vmap staticmethods (the Function's class selects
+            # its autograd.Function case: the user's code runs one level down).
+            out = custom_function_call_vmap_helper(interp, rule, self.cls, *args)
             return out[0] if isinstance(out, tuple) and len(out) == 1 else out
         if self.generate:
-            with torch.no_grad():
-                outs, _, _ = ov.runner.run(None, args)
-            return self._single(outs)
+
+            def run(*a):
+                with torch.no_grad():
+                    return list(ov.runner.run(None, a)[0])
+
+            return self._single(generated(run, args))
         return per_sample(ov.op, args)
 
     # ---- Name_fwd (a training forward: outputs, residuals, record) --------------
@@ -123,15 +143,23 @@ class Rules:
         ov = self.ov
         needs, args = args[-1], args[:-1]
         runner = ov.runner
-        level = retrieve_current_functorch_interpreter().level()
-        if all(d is None for d in _unwrap(args, level)[1]):
+        interp = retrieve_current_functorch_interpreter()
+        if all(d is None for d in _unwrap(args, interp.level())[1]):
             with _below():
                 return ov.fwd_op(*args, needs)
         if self.user_vmap and self.setup_style and not self.generate:
             outs = self.op(*args)  # the vmap staticmethod
             outs, residuals, record = runner.run(needs, args, lambda *a: outs)
         elif self.generate:
-            outs, residuals, record = runner.run(needs, args)
+            records = []
+
+            def run(*a):
+                outs, residuals, record = runner.run(needs, a)
+                records.append(record)
+                return list(outs), residuals
+
+            outs, residuals = generated(run, args)
+            record = records[0]
         else:
             outs, residuals, record = self._fwd_per_sample(needs, args)
         if record is not None:
@@ -164,8 +192,6 @@ class Rules:
 
     def bwd(self, saved, grads, needs, state, state_ints):
         ov = self.ov
-        if self.generate:
-            return list(ov.bwd_runner(saved, grads, needs, state, state_ints)[0])
         return per_sample(
             lambda s, g: ov.bwd_op(s, g, needs, state, state_ints), (saved, grads)
         )
@@ -177,5 +203,5 @@ class Rules:
 
     def jvp(self, *args):
         if self.generate:
-            return self.ov.jvp_kernel(*args)
+            return generated(self.ov.jvp_kernel, args)
         return per_sample(self.ov.jvp_op, args)

@@ -405,9 +405,12 @@ class OpaqueFunction:
         if out is None:
             # Eager use of a forward that cannot run on fake tensors: learn the
             # output structure from one real call (without autograd).
-            with torch.no_grad():
+            from torch._functorch.pyfunctorch import temporarily_clear_interpreter_stack
+
+            plain = [_unwrapped(v) for v in values]
+            with torch.no_grad(), temporarily_clear_interpreter_stack():
                 out = Runner(self.display_name, self.cls.forward, setup, specs, -1).call_user(
-                    ForwardContext(self.display_name, (False,) * len(values)), values
+                    ForwardContext(self.display_name, (False,) * len(values)), plain
                 )
         return _output_structure(self.display_name, out)
 
@@ -417,6 +420,14 @@ def _output_structure(fn_name: str, out) -> tuple:
     outs = out if isinstance(out, tuple) else (out,)
     check_tensor_outputs(fn_name, outs)
     return len(outs), isinstance(out, tuple)
+
+
+def _unwrapped(v):
+    """A torch.func (vmap, grad, jvp) wrapped tensor's plain tensor: the output
+    probe of a first call inside a transform runs on it."""
+    while isinstance(v, torch.Tensor) and torch._C._functorch.is_functorch_wrapped_tensor(v):
+        v = torch._C._functorch.get_unwrapped(v)
+    return v
 
 
 def _traced(values) -> bool:
