@@ -155,7 +155,8 @@ class OpaqueBackward final : public Node {
     const c10::DispatchKeySet traced(
         {c10::DispatchKey::Python, c10::DispatchKey::PythonTLSSnapshot,
          c10::DispatchKey::Functionalize, c10::DispatchKey::FuncTorchDynamicLayerFrontMode,
-         c10::DispatchKey::FuncTorchBatched, c10::DispatchKey::FuncTorchGradWrapper});
+         c10::DispatchKey::FuncTorchBatched, c10::DispatchKey::FuncTorchGradWrapper,
+         c10::DispatchKey::Batched});
     if (!(c10::impl::tls_local_dispatch_key_set().included_ & traced).empty()) return false;
     for (const auto& l : {a, b}) {
       for (size_t i = 0; i < l.size(); ++i) {

@@ -81,6 +81,12 @@ def _below():
     )
 
 
+def _fresh(t):
+    """An output that is a view (of an input) as a tensor of its own: operators
+    may not return views of their inputs."""
+    return t.clone() if t._is_view() else t
+
+
 def generated(call, args):
     """``call`` on the batched tensors themselves: the user's code is the batching
     rule (a decomposition), as generate_vmap_rule makes it for stock Functions."""
@@ -113,8 +119,9 @@ class Rules:
     def _single(self, outs):
         return outs[0] if len(outs) == 1 else tuple(outs)
 
-    def op(self, *args):
+    def op(self, *args, **kwargs):
         ov = self.ov
+        args = ov.runner.complete(args, kwargs) if kwargs or len(args) != ov.runner.n_args else args
         if self.user_vmap and not self.generate:
             interp = retrieve_current_functorch_interpreter()
             if all(d is None for d in _unwrap(args, interp.level())[1]):
@@ -132,16 +139,20 @@ class Rules:
 
             def run(*a):
                 with torch.no_grad():
-                    return list(ov.runner.run(None, a)[0])
+                    return [_fresh(o) for o in ov.runner.run(None, a)[0]]
 
             return self._single(generated(run, args))
         return per_sample(ov.op, args)
 
     # ---- Name_fwd (a training forward: outputs, residuals, record) --------------
 
-    def fwd(self, *args):
+    def fwd(self, *args, **kwargs):
         ov = self.ov
-        needs, args = args[-1], args[:-1]
+        needs = kwargs.pop("needs_input_grad", None)
+        if len(args) > ov.runner.n_args:
+            needs, args = args[-1], args[:-1]
+        if kwargs or len(args) != ov.runner.n_args:
+            args = ov.runner.complete(args, kwargs)
         runner = ov.runner
         interp = retrieve_current_functorch_interpreter()
         if all(d is None for d in _unwrap(args, interp.level())[1]):
@@ -156,7 +167,7 @@ class Rules:
             def run(*a):
                 outs, residuals, record = runner.run(needs, a)
                 records.append(record)
-                return list(outs), residuals
+                return [_fresh(o) for o in outs], residuals
 
             outs, residuals = generated(run, args)
             record = records[0]

@@ -423,10 +423,14 @@ def _output_structure(fn_name: str, out) -> tuple:
 
 
 def _unwrapped(v):
-    """A torch.func (vmap, grad, jvp) wrapped tensor's plain tensor: the output
-    probe of a first call inside a transform runs on it."""
-    while isinstance(v, torch.Tensor) and torch._C._functorch.is_functorch_wrapped_tensor(v):
-        v = torch._C._functorch.get_unwrapped(v)
+    """A torch.func (vmap, grad, jvp) wrapped tensor's plain tensor (one sample
+    of a vmapped one): the output probe of a first call inside a transform runs on it."""
+    F = torch._C._functorch
+    while isinstance(v, torch.Tensor) and F.is_functorch_wrapped_tensor(v):
+        if F.is_batchedtensor(v):  # one sample
+            v = F.get_unwrapped(v).select(F.maybe_get_bdim(v), 0)
+        else:
+            v = F.get_unwrapped(v)
     return v
 
 
