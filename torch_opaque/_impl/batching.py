@@ -5,22 +5,26 @@ Each overload registers a FuncTorchBatched kernel for ``Name``, ``Name_fwd``,
 ``Name_bwd`` (and ``Name_jvp`` when defined), so ``torch.vmap``,
 ``torch.func.jacrev``/``jacfwd``, ``vmap(grad(f))``,
 ``autograd.grad(..., is_grads_batched=True)`` and
-``autograd.functional.jacobian(vectorize=True)`` work. Per op, in order:
+``autograd.functional.jacobian(vectorize=True)`` work:
 
-* the Function's ``vmap`` staticmethod (``Name``, and ``Name_fwd`` of a
-  Function with ``setup_context``, whose ctx is then set up from the batched
+* the Function's ``vmap`` staticmethod, when it has one, batches ``Name``
+  (through torch's own helper for vmap staticmethods) and, for a Function with
+  ``setup_context``, ``Name_fwd`` (its ctx is then set up from the batched
   inputs and outputs, as stock autograd.Function does under torch.func);
-* ``generate_vmap_rule = True``: the user's code runs on the batched tensors
-  (the kernel as a decomposition, as stock runs forward and backward);
-* otherwise one call per sample, stacked.
-  ``is_grads_batched`` and ``jacobian(vectorize=True)`` use torch's older vmap
-  (the ``Batched`` key): there ``Name_bwd`` runs the user's backward on the
-  batched tensors, as stock autograd.Function does. A forward run per sample must leave
-  the same non-tensor ctx state for every sample (it becomes one backward).
+* everything else runs once per sample, below the batching key, and is
+  stacked: ``Name_bwd``, ``Name_jvp``, and the forwards of Functions without a
+  ``vmap`` staticmethod (``generate_vmap_rule = True`` or not). A forward run
+  per sample must leave the same non-tensor ctx state for every sample (it
+  becomes one backward).
 
-Per-sample calls run below the batching key on unwrapped tensors; a generated
-rule runs the user's code on the batched tensors (a decomposition); the vmap
-staticmethod runs through torch's own helper for it, one level down.
+Running the user's code on the batched tensors inside the kernel (what
+``generate_vmap_rule`` does for stock Functions) is not done: inside an op's
+batching kernel, torch's dispatch state makes view and broadcasting batching
+rules fail, so per-sample is the correct choice until that is solved.
+
+``is_grads_batched`` and ``jacobian(vectorize=True)`` use torch's older vmap
+(the ``Batched`` key): there ``Name_bwd`` (and ``Name_jvp``) run the user's
+code on the batched tensors, as stock autograd.Function does.
 """
 
 from __future__ import annotations
@@ -81,18 +85,6 @@ def _below():
     )
 
 
-def _fresh(t):
-    """An output that is a view (of an input) as a tensor of its own: operators
-    may not return views of their inputs."""
-    return t.clone() if t._is_view() else t
-
-
-def generated(call, args):
-    """``call`` on the batched tensors themselves: the user's code is the batching
-    rule (a decomposition), as generate_vmap_rule makes it for stock Functions."""
-    return call(*args)
-
-
 class Rules:
     """The FuncTorchBatched kernels of one Overload (Note [Batching rules])."""
 
@@ -101,7 +93,6 @@ class Rules:
         self.cls = cls
         self.cls_vmap = cls.vmap
         self.user_vmap = cls.vmap is not torch.autograd.Function.vmap
-        self.generate = bool(getattr(cls, "generate_vmap_rule", False))
         self.setup_style = overload.fn.setup_style
 
     def register(self, lib, base: str):
@@ -122,7 +113,7 @@ class Rules:
     def op(self, *args, **kwargs):
         ov = self.ov
         args = ov.runner.complete(args, kwargs) if kwargs or len(args) != ov.runner.n_args else args
-        if self.user_vmap and not self.generate:
+        if self.user_vmap:
             interp = retrieve_current_functorch_interpreter()
             if all(d is None for d in _unwrap(args, interp.level())[1]):
                 with _below():
@@ -135,13 +126,6 @@ class Rules:
             # its autograd.Function case: the user's code runs one level down).
             out = custom_function_call_vmap_helper(interp, rule, self.cls, *args)
             return out[0] if isinstance(out, tuple) and len(out) == 1 else out
-        if self.generate:
-
-            def run(*a):
-                with torch.no_grad():
-                    return [_fresh(o) for o in ov.runner.run(None, a)[0]]
-
-            return self._single(generated(run, args))
         return per_sample(ov.op, args)
 
     # ---- Name_fwd (a training forward: outputs, residuals, record) --------------
@@ -158,19 +142,9 @@ class Rules:
         if all(d is None for d in _unwrap(args, interp.level())[1]):
             with _below():
                 return ov.fwd_op(*args, needs)
-        if self.user_vmap and self.setup_style and not self.generate:
+        if self.user_vmap and self.setup_style:
             outs = self.op(*args)  # the vmap staticmethod
             outs, residuals, record = runner.run(needs, args, lambda *a: outs)
-        elif self.generate:
-            records = []
-
-            def run(*a):
-                outs, residuals, record = runner.run(needs, a)
-                records.append(record)
-                return [_fresh(o) for o in outs], residuals
-
-            outs, residuals = generated(run, args)
-            record = records[0]
         else:
             outs, residuals, record = self._fwd_per_sample(needs, args)
         if record is not None:
@@ -213,6 +187,4 @@ class Rules:
     # ---- Name_jvp (Note [Forward-mode AD] in forward_ad.py) ----------------------
 
     def jvp(self, *args):
-        if self.generate:
-            return generated(self.ov.jvp_kernel, args)
         return per_sample(self.ov.jvp_op, args)
