@@ -24,8 +24,9 @@ def pair(name):
 
 
 def float_fn(fn, args, kwargs):
-    """g(*tensor inputs) -> tuple of the floating outputs of fn."""
-    pos = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+    """g(*floating tensor inputs) -> tuple of the floating outputs of fn (other
+    arguments fixed)."""
+    pos = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.is_floating_point()]
 
     def g(*tensors):
         full = list(args)
