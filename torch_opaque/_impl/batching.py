@@ -90,8 +90,7 @@ class Rules:
 
     def __init__(self, overload, cls):
         self.ov = overload
-        self.cls = cls
-        self.cls_vmap = cls.vmap
+        # No reference to the class (Note [Registry lifetime] in function.py).
         self.user_vmap = cls.vmap is not torch.autograd.Function.vmap
         self.setup_style = overload.fn.setup_style
 
@@ -120,11 +119,11 @@ class Rules:
                     return ov.op(*args)
 
             def rule(info, in_dims, *a):
-                return self.cls_vmap(info, in_dims, *ov.runner.convert_args(a))
+                return ov.fn.cls.vmap(info, in_dims, *ov.runner.convert_args(a))
 
             # The stock helper of vmap staticmethods (the Function's class selects
             # its autograd.Function case: the user's code runs one level down).
-            out = custom_function_call_vmap_helper(interp, rule, self.cls, *args)
+            out = custom_function_call_vmap_helper(interp, rule, ov.fn.cls, *args)
             return out[0] if isinstance(out, tuple) and len(out) == 1 else out
         return per_sample(ov.op, args)
 
