@@ -10,15 +10,12 @@ from torch.func import grad, jacrev, vmap
 
 import torch_opaque
 from torch_opaque import UnsupportedError
-from transform_cases import NAMES, compare, float_fn, pair
+from transform_cases import NAMES, compare, each_case, vmap_batch
 
 
 @pytest.mark.parametrize("name", NAMES)
 def test_jacrev_matches_stock(name):
-    stock, ours, cases = pair(name)
-    for args, kwargs in cases:
-        g_ref, ts = float_fn(stock, args, kwargs)
-        g, _ = float_fn(ours, args, kwargs)
+    for g_ref, g, ts in each_case(name):
         argnums = tuple(range(len(ts)))
         compare(lambda: jacrev(g_ref, argnums)(*ts), lambda: jacrev(g, argnums)(*ts))
 
@@ -28,52 +25,44 @@ def test_jacrev_matches_stock(name):
 VIEW_UNDER_VMAP_GRAD = {"SelectGenVmapAutogradFunction"}
 
 
+def summed(g):
+    return lambda *t: sum(o.sum() for o in g(*t))
+
+
 @pytest.mark.parametrize("name", [
     pytest.param(n, marks=pytest.mark.xfail(strict=True, raises=RuntimeError,
                                             reason="view output under vmap(grad)"))
     if n in VIEW_UNDER_VMAP_GRAD else n for n in NAMES])
 def test_vmap_of_grad_matches_stock(name):
-    stock, ours, cases = pair(name)
-    for args, kwargs in cases:
-        g_ref, ts = float_fn(stock, args, kwargs)
-        g, _ = float_fn(ours, args, kwargs)
-        batch = torch.stack([ts[0], ts[0] * 0.5 + 1.0, -ts[0]])
-        in_dims = (0,) + (None,) * (len(ts) - 1)
-        loss_ref = lambda *t: sum(o.sum() for o in g_ref(*t))  # noqa: E731
-        loss = lambda *t: sum(o.sum() for o in g(*t))  # noqa: E731
-        compare(lambda: vmap(grad(loss_ref), in_dims)(batch, *ts[1:]),
-                lambda: vmap(grad(loss), in_dims)(batch, *ts[1:]))
+    for g_ref, g, ts in each_case(name):
+        batch, in_dims = vmap_batch(ts)
+        compare(lambda: vmap(grad(summed(g_ref)), in_dims)(batch, *ts[1:]),
+                lambda: vmap(grad(summed(g)), in_dims)(batch, *ts[1:]))
 
 
 @pytest.mark.parametrize("name", NAMES)
 def test_vmap_of_forward_matches_stock(name):
-    stock, ours, cases = pair(name)
-    for args, kwargs in cases:
-        g_ref, ts = float_fn(stock, args, kwargs)
-        g, _ = float_fn(ours, args, kwargs)
-        batch = torch.stack([ts[0], ts[0] * 0.5 + 1.0, -ts[0]])
-        in_dims = (0,) + (None,) * (len(ts) - 1)
+    for g_ref, g, ts in each_case(name):
+        batch, in_dims = vmap_batch(ts)
         compare(lambda: vmap(g_ref, in_dims)(batch, *ts[1:]),
                 lambda: vmap(g, in_dims)(batch, *ts[1:]))
 
 
+def grads_batched_and_jacobian(g, ts):
+    ts = tuple(t.clone().requires_grad_() for t in ts)
+    outs = g(*ts)
+    torch.manual_seed(1)
+    vs = tuple(torch.randn(4, *o.shape) for o in outs)
+    gb = torch.autograd.grad(outs, ts, vs, is_grads_batched=True, allow_unused=True)
+    jac = torch.autograd.functional.jacobian(g, tuple(t.detach() for t in ts), vectorize=True)
+    return gb, jac
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_is_grads_batched_and_vectorized_jacobian_match_stock(name):
-    stock, ours, cases = pair(name)
-    for args, kwargs in cases:
-
-        def run(fn):
-            g, ts = float_fn(fn, args, kwargs)
-            ts = tuple(t.clone().requires_grad_() for t in ts)
-            outs = g(*ts)
-            torch.manual_seed(1)
-            vs = tuple(torch.randn(4, *o.shape) for o in outs)
-            gb = torch.autograd.grad(outs, ts, vs, is_grads_batched=True, allow_unused=True)
-            jac = torch.autograd.functional.jacobian(g, tuple(t.detach() for t in ts),
-                                                     vectorize=True)
-            return gb, jac
-
-        compare(lambda: run(stock), lambda: run(ours))
+    for g_ref, g, ts in each_case(name):
+        compare(lambda: grads_batched_and_jacobian(g_ref, ts),
+                lambda: grads_batched_and_jacobian(g, ts))
 
 
 # ---- the three kinds of Function --------------------------------------------------

@@ -39,6 +39,20 @@ def float_fn(fn, args, kwargs):
     return g, tuple(args[i].detach() for i in pos)
 
 
+def each_case(name):
+    """(stock g, wrapped g, floating tensor inputs) per sample of the entry (float_fn)."""
+    stock, ours, cases = pair(name)
+    for args, kwargs in cases:
+        g_ref, ts = float_fn(stock, args, kwargs)
+        yield g_ref, float_fn(ours, args, kwargs)[0], ts
+
+
+def vmap_batch(ts):
+    """(a batch of three samples of the first input, in_dims batching only it)."""
+    batch = torch.stack([ts[0], ts[0] * 0.5 + 1.0, -ts[0]])
+    return batch, (0,) + (None,) * (len(ts) - 1)
+
+
 def compare(stock_thunk, ours_thunk):
     """Both give equal results, or both raise the same kind of error."""
     try:
