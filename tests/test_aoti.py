@@ -22,6 +22,7 @@ import pytest
 import torch.utils
 
 import torch_opaque
+from support.processes import run_python
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "aoti"
@@ -138,7 +139,6 @@ def test_loading_needs_the_ops_registered(pipeline):
         else:
             print("LOADED")
     """)
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=TIMEOUT_S)
+    proc = run_python(code, timeout=TIMEOUT_S)
     _check(proc, "aoti_load_package without the ops library")
     assert "ERROR: Could not find schema for example::" in proc.stdout, proc.stdout

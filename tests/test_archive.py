@@ -5,10 +5,6 @@ registered; each subprocess reports which test-fixture modules it imported.
 """
 
 import json
-import os
-import subprocess
-import sys
-import textwrap
 import zipfile
 
 import pytest
@@ -16,110 +12,12 @@ import torch
 
 import torch_opaque
 from opaque_fixtures import archops
+from support.processes import last_json, run_script
 
-TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
-REPO_DIR = os.path.dirname(TESTS_DIR)
 FIXTURE_MODULE = "opaque_fixtures.archops"
 
 
-def run_python(code: str, cwd, with_fixtures: bool, extra_path=()):
-    """Runs `code` in a fresh interpreter. The repository root is importable
-    (torch_opaque); the tests directory (opaque_fixtures) only when asked."""
-    paths = [REPO_DIR] + ([TESTS_DIR] if with_fixtures else []) + [str(p) for p in extra_path]
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(paths)
-    proc = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)],
-        cwd=str(cwd),
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    return proc
-
-
-def last_json(proc) -> dict:
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    lines = [l for l in proc.stdout.splitlines() if l.startswith("{")]
-    assert lines, proc.stdout + proc.stderr
-    return json.loads(lines[-1])
-
-
-# The subprocess side: load, compare with the saving process, train, report.
-LOAD_RUN_TRAIN = """
-import importlib.util, json, sys
-import torch
-import torch_opaque
-from torch_opaque import passes
-
-path, ref_path, options = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
-ep = torch_opaque.load(path, **options)
-ref = torch.load(ref_path)
-mod = ep.module()
-
-# runs: a batch size other than the example's (the batch dimension is dynamic)
-torch.testing.assert_close(mod(ref["x"]), ref["y"])
-# the custom backward (ArchCube's is deliberately half the true derivative)
-x = ref["x"].clone().requires_grad_()
-mod(x).sum().backward()
-torch.testing.assert_close(x.grad, ref["x_grad"])
-for name, p in mod.named_parameters():
-    torch.testing.assert_close(p.grad, ref["param_grads"][name])
-
-# the loaded program exports again and decomposes (fake kernels work)
-batch = torch.export.Dim("batch", min=2)
-again = torch.export.export(ep.module(), (ref["x"],), dynamic_shapes=({0: batch},))
-torch.testing.assert_close(again.module()(ref["x"][:3]), ep.module()(ref["x"][:3]))
-dec = ep.run_decompositions()
-torch.testing.assert_close(dec.module()(ref["x"]), ref["y"])
-inlined = passes.inline(ep)
-assert passes.list_opaque_ops(inlined) == []
-torch.testing.assert_close(inlined.module()(ref["x"]), ref["y"])
-
-# trains (last: the module shares its weights with ep)
-torch.manual_seed(0)
-target = torch.randn_like(ref["y"])
-opt = torch.optim.SGD(mod.parameters(), lr=0.05)
-losses = []
-for _ in range(15):
-    opt.zero_grad()
-    loss = torch.nn.functional.mse_loss(mod(ref["x"]), target)
-    loss.backward()
-    opt.step()
-    losses.append(loss.item())
-assert losses[-1] < 0.8 * losses[0], losses
-
-print(json.dumps({
-    "imported": sorted(m for m in sys.modules if m.startswith("opaque_fixtures")),
-    "findable": importlib.util.find_spec("opaque_fixtures") is not None,
-    "ops": [r.qualified_name for r in passes.list_opaque_ops(ep)],
-}))
-"""
-
-LOAD_EXPECT_ERROR = """
-import json, sys
-import torch_opaque
-
-path, options = sys.argv[1], json.loads(sys.argv[2])
-try:
-    torch_opaque.load(path, **options)
-except Exception as e:
-    err = {"type": type(e).__name__, "message": str(e),
-           "is_archive_error": isinstance(e, torch_opaque.ArchiveError)}
-else:
-    err = None
-print(json.dumps({
-    "error": err,
-    "imported": sorted(m for m in sys.modules
-                       if m.startswith("opaque_fixtures") or m.startswith("evil_")),
-}))
-"""
-
-
-def run_script(script, args, cwd, with_fixtures, extra_path=()):
-    code = f"import sys; sys.argv = ['x'] + {list(map(str, args))!r}\n" + textwrap.dedent(script)
-    return run_python(code, cwd, with_fixtures, extra_path)
+# The subprocess side: tests/support/scripts/load_*.py.
 
 
 @pytest.fixture(scope="module")
@@ -167,7 +65,7 @@ def test_manifest_records_ops_modules_and_schemas(saved):
 
 def test_load_allowed_module_runs_and_trains(saved, tmp_path):
     proc = run_script(
-        LOAD_RUN_TRAIN,
+        "load_run_train.py",
         [saved / "net.pt2", saved / "ref.pt", json.dumps({"allow": ["opaque_fixtures"]})],
         tmp_path,
         with_fixtures=True,
@@ -177,19 +75,9 @@ def test_load_allowed_module_runs_and_trains(saved, tmp_path):
     assert out["ops"] == ["opaque::ArchCube", "opaque::ArchMulAdd", "opaque::ArchScaledSin"]
 
 
-LOAD_AND_RUN = """
-import json, sys
-import torch, torch_opaque
-ep = torch_opaque.load(sys.argv[1], **json.loads(sys.argv[2]))
-ref = torch.load(sys.argv[3])
-torch.testing.assert_close(ep.module()(ref["x"]), ref["y"])
-print(json.dumps({"imported": sorted(m for m in sys.modules if m.startswith("opaque_fixtures"))}))
-"""
-
-
 def test_allow_a_single_module_name(saved, tmp_path):
     opts = json.dumps({"allow": FIXTURE_MODULE})  # one string, not a list
-    proc = run_script(LOAD_AND_RUN, [saved / "net.pt2", opts, saved / "ref.pt"], tmp_path, True)
+    proc = run_script("load_and_run.py", [saved / "net.pt2", opts, saved / "ref.pt"], tmp_path, True)
     assert last_json(proc) == {"imported": ["opaque_fixtures", FIXTURE_MODULE]}
 
 
@@ -217,7 +105,7 @@ def test_allow_list_matching(allow, allow_all, allowed):
 
 def test_load_without_permission_names_op_module_and_fix(saved, tmp_path):
     path = saved / "net.pt2"
-    proc = run_script(LOAD_EXPECT_ERROR, [path, "{}"], tmp_path, with_fixtures=True)
+    proc = run_script("load_expect_error.py", [path, "{}"], tmp_path, with_fixtures=True)
     out = last_json(proc)
     err = out["error"]
     assert err["type"] == "OpNotAllowedError" and err["is_archive_error"]
@@ -232,7 +120,7 @@ def test_load_without_permission_names_op_module_and_fix(saved, tmp_path):
 
 def test_load_with_allow_list_not_covering_the_module(saved, tmp_path):
     opts = json.dumps({"allow": ["some_other_package", "opaque_fixtures_not"]})
-    proc = run_script(LOAD_EXPECT_ERROR, [saved / "net.pt2", opts], tmp_path, with_fixtures=True)
+    proc = run_script("load_expect_error.py", [saved / "net.pt2", opts], tmp_path, with_fixtures=True)
     out = last_json(proc)
     msg = out["error"]["message"]
     assert out["error"]["type"] == "OpNotAllowedError"
@@ -258,7 +146,7 @@ def test_manifest_naming_a_module_outside_the_allow_list_imports_nothing(saved, 
 
     opts = json.dumps({"allow": ["opaque_fixtures"]})
     proc = run_script(
-        LOAD_EXPECT_ERROR, [tampered, opts], tmp_path, with_fixtures=True, extra_path=[evil_dir]
+        "load_expect_error.py", [tampered, opts], tmp_path, with_fixtures=True, extra_path=[evil_dir]
     )
     out = last_json(proc)
     msg = out["error"]["message"]
@@ -272,7 +160,7 @@ def test_manifest_naming_a_module_outside_the_allow_list_imports_nothing(saved, 
 
 def test_self_contained_loads_runs_and_trains_without_the_module(saved, tmp_path):
     proc = run_script(
-        LOAD_RUN_TRAIN,
+        "load_run_train.py",
         [saved / "net_sc.pt2", saved / "ref.pt", "{}"],
         tmp_path,
         with_fixtures=False,
@@ -306,26 +194,7 @@ def test_self_contained_nested_ops_and_uncovered_calls(tmp_path):
     """A forward that calls another opaque op; a call the stored programs do not
     cover fails clearly."""
     torch_opaque.save(archops.export_nested(), tmp_path / "nested.pt2", self_contained=True)
-    code = """
-    import json, sys
-    import torch, torch_opaque
-    ep = torch_opaque.load(sys.argv[1])
-    x = torch.randn(3, 6, requires_grad=True)
-    y = ep.module()(x)
-    torch.testing.assert_close(y, (x ** 3 + x).sum(-1))
-    y.sum().backward()
-    torch.testing.assert_close(x.grad, 3 * x.detach() ** 2 + 1)
-    # the graph calls the stored overload (Note [Stored ops beside real ones])
-    (target,) = [n.target for n in ep.graph.nodes if "ArchOuter" in str(n.target)]
-    try:
-        target(torch.randn(3, 6, dtype=torch.float64))
-    except RuntimeError as e:
-        message = str(e)
-    print(json.dumps({"message": message, "overload": target._overloadname,
-                      "real_free": not hasattr(torch.ops.opaque.ArchOuter, "Tensor"),
-                      "imported": [m for m in sys.modules if m.startswith("opaque_fixtures")]}))
-    """
-    out = last_json(run_script(code, [tmp_path / "nested.pt2"], tmp_path, with_fixtures=False))
+    out = last_json(run_script("load_nested.py", [tmp_path / "nested.pt2"], tmp_path, with_fixtures=False))
     assert out["imported"] == []
     assert "re-created from the stored programs" in out["message"]
     assert "x: float32[*, 6]" in out["message"] and "x: float64[3, 6]" in out["message"]
@@ -335,7 +204,7 @@ def test_self_contained_nested_ops_and_uncovered_calls(tmp_path):
 
 def test_self_contained_prefers_the_allowed_module(saved, tmp_path):
     proc = run_script(
-        LOAD_RUN_TRAIN,
+        "load_run_train.py",
         [saved / "net_sc.pt2", saved / "ref.pt", json.dumps({"allow": ["opaque_fixtures"]})],
         tmp_path,
         with_fixtures=True,
@@ -369,22 +238,6 @@ def corrupt(src, dst, how: str):
     dst.write_bytes(bytes(data))
 
 
-LOAD_ALL_EXPECT_ERRORS = """
-import json, sys
-import torch_opaque
-options = json.loads(sys.argv[1])
-results = {}
-for path in sys.argv[2:]:
-    try:
-        torch_opaque.load(path, **options)
-        results[path] = None
-    except Exception as e:
-        results[path] = [type(e).__name__, str(e)]
-print(json.dumps({"results": results,
-                  "imported": [m for m in sys.modules if m.startswith("opaque_fixtures")]}))
-"""
-
-
 def test_corrupted_archives_give_clear_errors_and_import_nothing(saved, tmp_path):
     """The defining module is importable and allowed: still nothing is imported."""
     paths = []
@@ -392,7 +245,7 @@ def test_corrupted_archives_give_clear_errors_and_import_nothing(saved, tmp_path
         paths.append(tmp_path / f"{how}.pt2")
         corrupt(saved / "net.pt2", paths[-1], how)
     opts = json.dumps({"allow": ["opaque_fixtures"]})
-    out = last_json(run_script(LOAD_ALL_EXPECT_ERRORS, [opts, *paths], tmp_path, True))
+    out = last_json(run_script("load_all_expect_errors.py", [opts, *paths], tmp_path, True))
     assert out["imported"] == []
     for path in paths:
         kind, msg = out["results"][str(path)]
@@ -424,7 +277,7 @@ def test_corrupted_manifest_and_stored_program(saved, tmp_path):
     torch.export.save(ep, tmp_path / "badprog.pt2", extra_files=extra)
 
     paths = [tmp_path / "badjson.pt2", tmp_path / "badformat.pt2", tmp_path / "badprog.pt2"]
-    out = last_json(run_script(LOAD_ALL_EXPECT_ERRORS, ["{}", *paths], tmp_path, True))
+    out = last_json(run_script("load_all_expect_errors.py", ["{}", *paths], tmp_path, True))
     res = out["results"]
     assert out["imported"] == []
     kind, msg = res[str(paths[0])]
@@ -437,7 +290,7 @@ def test_corrupted_manifest_and_stored_program(saved, tmp_path):
 
 
 def test_plain_torch_export_archive_lists_unknown_ops(saved, tmp_path):
-    out = last_json(run_script(LOAD_EXPECT_ERROR, [saved / "plain.pt2", "{}"], tmp_path, True))
+    out = last_json(run_script("load_expect_error.py", [saved / "plain.pt2", "{}"], tmp_path, True))
     msg = out["error"]["message"]
     assert out["error"]["type"] == "ArchiveError"
     assert "written by torch.export.save" in msg

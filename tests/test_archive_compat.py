@@ -8,14 +8,14 @@ loaded, run, differentiated, re-exported and trained in fresh processes.
 import json
 import os
 
-from test_archive import LOAD_RUN_TRAIN, last_json, run_script
+from support.processes import FIXTURES_DIR, last_json, run_script
 
-FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures")
+FIXTURES = str(FIXTURES_DIR)
 
 
 def test_v1_archive_loads_with_the_allowed_module(tmp_path):
     proc = run_script(
-        LOAD_RUN_TRAIN,
+        "load_run_train.py",
         [os.path.join(FIXTURES, "v1_net.pt2"), os.path.join(FIXTURES, "v1_net_ref.pt"),
          json.dumps({"allow": ["opaque_fixtures"]})],
         tmp_path,
@@ -28,7 +28,7 @@ def test_v1_archive_loads_with_the_allowed_module(tmp_path):
 
 def test_v1_self_contained_archive_loads_without_the_module(tmp_path):
     proc = run_script(
-        LOAD_RUN_TRAIN,
+        "load_run_train.py",
         [os.path.join(FIXTURES, "v1_net_sc.pt2"), os.path.join(FIXTURES, "v1_net_ref.pt"), "{}"],
         tmp_path,
         with_fixtures=False,

@@ -8,8 +8,6 @@ creates exists, and the process's peak memory.
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -17,47 +15,18 @@ import torch
 import torch_opaque
 import archive_corpus as C
 from opaque_fixtures import archops
+from support.processes import run_python
 
-TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
-REPO_DIR = os.path.dirname(TESTS_DIR)
 MANIFEST = "/extra/torch_opaque.json"
 ALLOW = {"allow": ["opaque_fixtures"]}
-
-RUNNER = r"""
-import json, os, resource, sys, time
-marker, cases = sys.argv[1], json.load(open(sys.argv[2]))
-import torch_opaque
-from torch_opaque.cli.inspect import inspect_file
-from torch_opaque.errors import TorchOpaqueError
-out = {}
-for c in cases:
-    r = {}
-    for what in ("load", "inspect"):
-        t = time.time()
-        try:
-            if what == "load":
-                torch_opaque.load(c["path"], **c["options"])
-            else:
-                inspect_file(c["path"])
-            r[what] = ["ok", "", True]
-        except Exception as e:
-            r[what] = [type(e).__name__, str(e), isinstance(e, TorchOpaqueError)]
-        r[what + "_s"] = time.time() - t
-        r[what + "_marker"] = os.path.exists(marker)
-    out[c["name"]] = r
-peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-print(json.dumps({"results": out, "peak_mib": peak}))
-"""
 
 
 def run_cases(cases, tmp_path, marker):
     spec = tmp_path / f"cases_{len(list(tmp_path.iterdir()))}.json"
     spec.write_text(json.dumps([{"name": n, "path": str(p), "options": o} for n, p, o, _, _ in cases]))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO_DIR, TESTS_DIR]))
-    proc = subprocess.run(
-        [sys.executable, "-c", RUNNER, str(marker), str(spec)],
-        cwd=str(tmp_path), env=env, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+    proc = run_python(
+        script="load_and_inspect_cases.py", args=[marker, spec], cwd=tmp_path, with_fixtures=True, timeout=300
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -304,11 +273,7 @@ def test_inspect_command_on_a_bomb(base, tmp_path):
     p = tmp_path / "bomb.pt2"
     entries = [C.bomb(e.name) if e.name.endswith("/models/model.json") else e for e in C.read_entries(base / "net.pt2")]
     C.write_zip(p, entries)
-    env = dict(os.environ, PYTHONPATH=REPO_DIR)
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch_opaque", "inspect", str(p)],
-        cwd=str(tmp_path), env=env, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+    proc = run_python(module="torch_opaque", args=["inspect", p], cwd=tmp_path, timeout=120)
     assert proc.returncode == 1
     assert proc.stderr.startswith("python -m torch_opaque inspect: error: torch_opaque: entry 'net/models/model.json'")
     assert "inflates to 1073741824 bytes, more than the model limit" in proc.stderr

@@ -9,13 +9,15 @@ import pytest
 import torch
 
 import torch_opaque
-from torch_opaque.archive.manifest import SAVED_KINDS, VERSION, parse_manifest
+from torch_opaque.archive.manifest import SAVED_KIND_NAMES, SAVED_KINDS, VERSION, parse_manifest
 from torch_opaque.archive.program import check_guard, check_sym_expr
 from torch_opaque.archive.values import decode_value, encode_value
 from torch_opaque.archive.zipio import ArchiveLimits, ZipReader, bad_name
 from torch_opaque.errors import ArchiveError, TorchOpaqueError
 
-from test_archive_compat import FIXTURES
+from support.processes import FIXTURES_DIR
+
+FIXTURES = str(FIXTURES_DIR)
 
 
 def _manifest_bytes(path) -> bytes:
@@ -52,6 +54,7 @@ def test_saved_kind_names_follow_the_cpp_enum():
     for code, cpp in enumerate(["None = 0", "Input = 1", "InputListItem = 2", "Output = 3", "Residual = 4"]):
         assert cpp in header
     assert SAVED_KINDS == ("none", "input", "input_item", "output", "residual")
+    assert {int(k): n for k, n in SAVED_KIND_NAMES.items()} == dict(enumerate(SAVED_KINDS))
 
 
 def test_save_writes_version_2(tmp_path):

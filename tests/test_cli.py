@@ -2,9 +2,7 @@
 graph pictures. The command runs in a fresh interpreter (sys.executable)."""
 
 import json
-import os
 import shutil
-import subprocess
 import sys
 import textwrap
 
@@ -13,22 +11,13 @@ import torch
 
 import torch_opaque
 from opaque_fixtures import archops
+from support.processes import run_python
 
-TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
-REPO_DIR = os.path.dirname(TESTS_DIR)
 HAVE_DOT = shutil.which("dot") is not None
 
 
-def run(args, cwd, with_fixtures=False):
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([REPO_DIR] + ([TESTS_DIR] if with_fixtures else []))
-    return subprocess.run(
-        [sys.executable, *args], cwd=str(cwd), env=env, capture_output=True, text=True, timeout=300
-    )
-
-
 def inspect(path, *extra, cwd):
-    proc = run(["-m", "torch_opaque", "inspect", str(path), *map(str, extra)], cwd)
+    proc = run_python(module="torch_opaque", args=["inspect", path, *extra], cwd=cwd, timeout=300)
     return proc
 
 
@@ -167,7 +156,7 @@ def test_inspect_imports_no_user_module(files, tmp_path):
         print(json.dumps([m for m in sys.modules if m.startswith("opaque_fixtures")]))
         """
     )
-    proc = run(["-c", code], tmp_path, with_fixtures=True)  # importable, yet not imported
+    proc = run_python(code, cwd=tmp_path, with_fixtures=True, timeout=300)  # importable, yet not imported
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout.strip().splitlines()[-1]) == []
 

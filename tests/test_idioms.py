@@ -11,7 +11,6 @@ import concurrent.futures
 import contextlib
 import enum
 import gc
-import subprocess
 import sys
 import textwrap
 import threading
@@ -22,6 +21,7 @@ import torch
 
 import torch_opaque
 from conftest import aten_calls, op_calls
+from support.processes import run_python
 from torch_opaque._impl import function as F
 
 
@@ -578,7 +578,7 @@ def test_import_does_not_import_dynamo_and_compile_still_routes():
         print(sorted(str(n.target) for n in graphs[0].graph.nodes if n.op == "call_function"))
         """
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    out = run_python(code)
     assert out.returncode == 0, out.stderr
     lines = out.stdout.strip().splitlines()
     assert lines[0] == "[3.0, 3.0]"

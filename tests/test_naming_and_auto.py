@@ -1,7 +1,5 @@
 """Op naming (stable, collision-free, idempotent) and the zero-code-change mode."""
 
-import subprocess
-import sys
 import textwrap
 import warnings
 
@@ -10,6 +8,7 @@ import torch
 
 import torch_opaque
 from conftest import aten_calls, op_calls
+from support.processes import run_python
 
 
 _counter = iter(range(10**6))
@@ -44,8 +43,7 @@ def test_default_name_is_stable_across_processes():
         """
     )
     names = {
-        subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-        .stdout.strip()
+        run_python(code, with_fixtures=False).stdout.strip()
         for _ in range(2)
     }
     assert len(names) == 1

@@ -1,8 +1,7 @@
 """Importing the package: a compiled core that does not load gives an error that
 says how to build it (not Python's "partially initialized module" message)."""
 
-import subprocess
-import sys
+from support.processes import run_python
 
 # A child process in which torch_opaque._C cannot be found, as in a source
 # checkout that was never built.
@@ -21,7 +20,7 @@ import torch_opaque
 
 
 def test_import_without_the_compiled_core_says_how_to_build():
-    proc = subprocess.run([sys.executable, "-c", CHILD], capture_output=True, text=True)
+    proc = run_python(CHILD)
     assert proc.returncode != 0
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith(

@@ -182,3 +182,27 @@ def test_strip_and_replace_when_the_opaque_output_is_the_program_output():
     replaced = passes.replace(program, archops.Cube, lambda t: t * t * t + 1)
     assert passes.list_opaque_ops(replaced) == []
     torch.testing.assert_close(replaced.module()(x), x**3 + 1)
+
+
+@pytest.mark.parametrize(
+    "view", [lambda x, scale: x.view(x.shape), lambda x, scale: x[:], lambda x, scale: x.t().t()]
+)
+def test_replace_with_a_function_returning_a_view_of_its_input(view):
+    """The replacement returns a view of its argument (not the argument itself):
+    the rewritten program's output is a copy, as an op's output may not alias
+    its input, so changing the output in place leaves the input alone (as with
+    the original program)."""
+
+    class M(torch.nn.Module):
+        def forward(self, x):
+            return archops.ScaledSin.apply(x, 2.0)
+
+    ep = torch.export.export(M(), (torch.randn(4, 3),))
+    out = passes.replace(ep, archops.ScaledSin, view)
+    assert names(out) == []
+    x = torch.randn(4, 3)
+    before = x.clone()
+    y = out.module()(x)
+    torch.testing.assert_close(y, before)
+    y.add_(1)
+    torch.testing.assert_close(x, before)

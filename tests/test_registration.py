@@ -1,13 +1,12 @@
 """When a wrapped Function's op is registered: at decoration when its schema is
 known from annotations (Note [Registered at decoration]), else at its first call."""
 
-import subprocess
-import sys
 import textwrap
 
 import torch
 
 import torch_opaque
+from support.processes import run_python
 
 MODULE = textwrap.dedent(
     """
@@ -34,10 +33,7 @@ MODULE = textwrap.dedent(
 
 
 def run(code, cwd):
-    proc = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)],
-        cwd=cwd, capture_output=True, text=True, env={"PYTHONPATH": str(cwd), "PATH": "/usr/bin"},
-    )
+    proc = run_python(code, cwd=cwd, env={"PYTHONPATH": str(cwd), "PATH": "/usr/bin"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc.stdout
 

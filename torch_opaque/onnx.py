@@ -82,6 +82,8 @@ from onnxscript.values import OnnxFunction, Op, Opset
 from torch.fx.experimental.symbolic_shapes import is_concrete_int
 
 from ._impl.function import lookup
+from ._impl.calls import bind, tensor_kind
+from ._impl.tracing import size_hint
 from .ops import OpaqueInfo, opaque_nodes
 
 __all__ = ["export", "OnnxExportError"]
@@ -221,28 +223,9 @@ def _reuse_torchlib_registry():
 # ---- arguments ------------------------------------------------------------------------
 
 
-def _tensor_kind(t) -> Optional[str]:
+def _tensor_kind(arg) -> Optional[str]:
     """"one" / "list" for the schema types Tensor(?) / Tensor[], else None."""
-    if isinstance(t, torch.OptionalType):
-        t = t.getElementType()
-    if isinstance(t, torch.TensorType):
-        return "one"
-    if isinstance(t, torch.ListType) and isinstance(t.getElementType(), torch.TensorType):
-        return "list"
-    return None
-
-
-def _bind(target, args, kwargs) -> list:
-    """(schema argument, value) for every argument of a call, defaults filled in."""
-    out = []
-    for i, a in enumerate(target._schema.arguments):
-        if i < len(args):
-            out.append((a, args[i]))
-        elif a.name in kwargs:
-            out.append((a, kwargs[a.name]))
-        elif a.has_default_value():
-            out.append((a, a.default_value))
-    return out
+    return {"tensor": "one", "tensors": "list"}.get(tensor_kind(arg))
 
 
 def _attribute(arg, value) -> Optional[ir.Attr]:
@@ -266,8 +249,8 @@ def _attribute(arg, value) -> Optional[ir.Attr]:
 def _split(target, args, kwargs) -> tuple:
     """The call's (name, tensor) inputs and its attributes."""
     inputs, attrs = [], []
-    for arg, value in _bind(target, args, kwargs):
-        kind = _tensor_kind(arg.type)
+    for arg, value in bind(target._schema, args, kwargs):
+        kind = _tensor_kind(arg)
         if kind == "list":
             inputs += [(f"{arg.name}_{i}", v) for i, v in enumerate(value)]
         elif kind == "one":
@@ -297,13 +280,6 @@ def _call(domain: str, name: str, version: int, inputs: list, attrs: list, n_out
 def _static(size) -> Optional[int]:
     """The size as an int, None when it is symbolic."""
     return int(size) if is_concrete_int(size) else None
-
-
-def _hint(size) -> int:
-    if isinstance(size, torch.SymInt):
-        hint = size.node.hint
-        return int(hint) if hint is not None else 7
-    return int(size)
 
 
 class _Body(torch.nn.Module):
@@ -377,10 +353,10 @@ class _Exporter:
             )
         if callable(mapped) and not isinstance(mapped, OnnxFunction):
             return  # a translation function: torch.onnx calls it with the node's arguments
-        args = _bind(info.target, fx_node.args, fx_node.kwargs)
+        args = bind(info.target._schema, fx_node.args, fx_node.kwargs)
         for arg, value in args:
             values = value if isinstance(value, (list, tuple)) else [value]
-            if _tensor_kind(arg.type) is None and any(isinstance(v, torch.fx.Node) for v in values):
+            if _tensor_kind(arg) is None and any(isinstance(v, torch.fx.Node) for v in values):
                 raise OnnxExportError(
                     f"torch_opaque.onnx: argument '{arg.name}' of {qual} is a symbolic value at "
                     f"{fx_node.name} (e.g. a dynamic size), but ONNX attributes are constants. "
@@ -409,7 +385,7 @@ class _Exporter:
         else:
             return
         for arg, value in args:
-            if _tensor_kind(arg.type) is None and value is not None and arg.name not in known:
+            if _tensor_kind(arg) is None and value is not None and arg.name not in known:
                 raise OnnxExportError(
                     f"torch_opaque.onnx: {qual} has argument '{arg.name}', which ONNX "
                     f"{getattr(mapped, 'name', mapped)} has no attribute for (it has: "
@@ -449,8 +425,8 @@ class _Exporter:
                 f"node {node.name} (the torch.onnx exporter changed?). Pass functions=False."
             )
         template, fakes, key, names = [], [], [], []
-        for arg, value in _bind(info.target, fx_node.args, fx_node.kwargs):
-            kind = _tensor_kind(arg.type)
+        for arg, value in bind(info.target._schema, fx_node.args, fx_node.kwargs):
+            kind = _tensor_kind(arg)
             if kind is None or value is None:
                 template.append(("C", value) if kind is None else ("N",))
                 names += [] if kind is None else [arg.name]
@@ -498,7 +474,7 @@ class _Exporter:
     def _trace_body(self, info: OpaqueInfo, template, fakes) -> torch.export.ExportedProgram:
         qual = info.qualified_name
         examples = tuple(
-            torch.zeros([_hint(s) for s in f.shape], dtype=f.dtype, device=f.device)
+            torch.zeros([size_hint(s) for s in f.shape], dtype=f.dtype, device=f.device)
             for f in fakes
         )
         dynamic = tuple(

@@ -16,9 +16,11 @@ Example::
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import Callable, Optional, Protocol
 
 import torch
+
+from ._impl.function import function_for_op
 
 ROLES = ("op", "fwd", "bwd")
 
@@ -71,15 +73,13 @@ def opaque_info(target) -> Optional[OpaqueInfo]:
     """OpaqueInfo for an OpOverload that is (a role of) an opaque op, else None."""
     if not isinstance(target, torch._ops.OpOverload):
         return None
-    from ._impl.function import _BY_OPNAME
-
     ns, _, full = target._schema.name.partition("::")
     overload = target._overloadname
     for role, suffix in (("fwd", "_fwd"), ("bwd", "_bwd"), ("op", "")):
         if suffix and not full.endswith(suffix):
             continue
         base = full[: len(full) - len(suffix)] if suffix else full
-        fn = _BY_OPNAME.get((ns, base))
+        fn = function_for_op(ns, base)
         if fn is None:
             # C++-defined ops: all three companions exist.
             if not is_opaque_triple(ns, base, overload):
@@ -98,3 +98,48 @@ def opaque_nodes(graph_module) -> list:
             if info is not None:
                 out.append((n, info))
     return out
+
+
+# Note [Op sources]
+# ops.py knows the ops Python Functions define (_impl/function.py) and those
+# C++ defines (the dispatcher). A layer that defines opaque ops another way
+# (archive/stored.py: ops re-created from stored programs) registers an
+# OpSource here when it defines its first op, so that graph passes and the CLI
+# ask ops.py and never import that layer.
+
+
+class OpSource(Protocol):
+    def defined_by(self, namespace: str, name: str) -> Optional[str]:
+        """'module.Class' of the autograd.Function the op came from, if known."""
+
+    def decomposition(self, info: OpaqueInfo) -> Optional[Callable]:
+        """The called op (in its role) as a Python function of ATen ops, or None."""
+
+
+_SOURCES: list = []
+
+
+def register_source(source: OpSource) -> None:
+    if source not in _SOURCES:
+        _SOURCES.append(source)
+
+
+def defined_by(info: OpaqueInfo) -> Optional[str]:
+    """'module.Class' of the autograd.Function behind an opaque op, when known."""
+    if info.function is not None:
+        cls = info.function.cls
+        return f"{cls.__module__}.{cls.__qualname__}"
+    for source in _SOURCES:
+        found = source.defined_by(info.namespace, info.name)
+        if found is not None:
+            return found
+    return None
+
+
+def source_decomposition(info: OpaqueInfo) -> Optional[Callable]:
+    """The decomposition a registered OpSource has for this call, or None."""
+    for source in _SOURCES:
+        d = source.decomposition(info)
+        if d is not None:
+            return d
+    return None

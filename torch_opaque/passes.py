@@ -55,7 +55,11 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from .ops import OpaqueInfo, opaque_info, opaque_nodes
+from ._impl.calls import CallSignature, full_args
+from ._impl.tracing import unalias
+from ._impl.function import OpaqueFunction, lookup
+from ._impl.kernels import BackwardRunner, Runner
+from .ops import OpaqueInfo, defined_by, opaque_info, opaque_nodes, source_decomposition
 
 __all__ = ["OpaqueOpRecord", "list_opaque_ops", "inline", "replace", "strip_residuals"]
 
@@ -93,15 +97,6 @@ def _all_opaque(gm) -> list:
     return out
 
 
-def _defined_by(info: OpaqueInfo) -> Optional[str]:
-    if info.function is not None:
-        cls = info.function.cls
-        return f"{cls.__module__}.{cls.__qualname__}"
-    from .archive.stored import defined_by
-
-    return defined_by(info.namespace, info.name)
-
-
 def list_opaque_ops(ep) -> list:
     """An :class:`OpaqueOpRecord` per opaque operator overload the program calls."""
     _check_program(ep)
@@ -123,7 +118,7 @@ def list_opaque_ops(ep) -> list:
                 target=f"{schema.name}.{info.overload}",
                 schema=str(schema),
                 count=counts[key],
-                defined_by=_defined_by(info),
+                defined_by=defined_by(info),
             )
         )
     return records
@@ -134,8 +129,6 @@ def list_opaque_ops(ep) -> list:
 
 def _selector_key(item) -> tuple:
     """(namespace, name, overload or None) for one way of naming an opaque op."""
-    from ._impl.function import OpaqueFunction, lookup
-
     if isinstance(item, OpaqueFunction):
         return (item.namespace, item.name, None)
     if isinstance(item, type) and issubclass(item, torch.autograd.Function):
@@ -209,16 +202,8 @@ def _chooser(ops, nodes: list) -> Callable[[OpaqueInfo], bool]:
 # ---- decompositions ------------------------------------------------------------------------
 
 
-def _full_args(schema, args, kwargs) -> list:
-    from .archive.values import full_args as full
-
-    return full(schema, args, kwargs)
-
-
 def _python_decomposition(info: OpaqueInfo) -> Optional[Callable]:
     """The Function's own forward (or backward) as a decomposition of the called op."""
-    from ._impl.kernels import BackwardRunner, Runner
-
     fn = info.function
     ov = fn.overloads.get(info.overload) if fn is not None else None
     if ov is None:
@@ -236,13 +221,15 @@ def _python_decomposition(info: OpaqueInfo) -> Optional[Callable]:
     runner = Runner(fn.display_name, fn.cls.forward, setup, ov.specs, ov.n_out)
     training = info.role == "fwd"
 
+    sig = CallSignature.of_schema(schema)
+
     def forward(*args, **kwargs):
-        args = _full_args(schema, args, kwargs)
-        needs = None
-        if training:
-            needs = args.pop()  # `_fwd`'s needs_input_grad
-            if needs is None:
-                needs = tuple(s.is_tensor and a is not None for s, a in zip(ov.specs, args))
+        args, kwargs, needs = sig.split_needs_input_grad(args, kwargs)
+        args = sig.complete(args, kwargs)
+        if training and needs is None:
+            needs = tuple(s.is_tensor and a is not None for s, a in zip(ov.specs, args))
+        elif not training:
+            needs = None
         # Grad mode is left alone (toggling it would be recorded in the graph);
         # outputs and residuals that alias inputs come back as copies.
         outs, residuals, _record = runner.run(needs, args)
@@ -253,34 +240,8 @@ def _python_decomposition(info: OpaqueInfo) -> Optional[Callable]:
     return forward
 
 
-def _stored_decomposition(info: OpaqueInfo) -> Optional[Callable]:
-    """The forward of an op re-created from a self-contained archive."""
-    from .archive.stored import stored_overload
-
-    sov = stored_overload(info.namespace, info.name, info.overload)
-    if sov is None:
-        return None
-    if info.role == "op":
-        return sov.decomposition
-    if info.role == "fwd":
-
-        def forward(*args, **kwargs):
-            kwargs.pop("needs_input_grad", None)
-            args = _full_args(sov.schema, args[: len(sov.schema.arguments)], kwargs)
-            v, flat = sov.select(args, fake=True)
-            outs, residuals, _ = sov.split(v, v.fwd.forward(flat))
-            return (*outs, list(residuals))
-
-        return forward
-
-    def backward(saved, grads, needs_input_grad, state, state_ints):
-        return sov.fake_bwd(saved, grads, needs_input_grad, state, state_ints)
-
-    return backward
-
-
 def _decomposition(info: OpaqueInfo) -> Callable:
-    d = _python_decomposition(info) or _stored_decomposition(info)
+    d = _python_decomposition(info) or source_decomposition(info)
     if d is None:
         raise ValueError(
             f"torch_opaque.passes.inline: {info.qualified_name}.{info.overload} has no Python "
@@ -402,9 +363,10 @@ def _strip(gm, chosen, strict: bool) -> int:
             graph = m.graph
             with graph.inserting_before(node):
                 # drop `_fwd`'s trailing needs_input_grad argument
-                n_args = len(op._schema.arguments)
-                kwargs = {k: v for k, v in node.kwargs.items() if k != "needs_input_grad"}
-                new = graph.call_function(op, tuple(node.args)[:n_args], kwargs)
+                args, kwargs, _ = CallSignature.of_schema(op._schema).split_needs_input_grad(
+                    node.args, node.kwargs
+                )
+                new = graph.call_function(op, args, kwargs)
             new.meta = dict(node.meta)
             val = node.meta.get("val")
             if isinstance(val, (tuple, list)):
@@ -475,8 +437,6 @@ def inline(ep, ops=None):
 
 
 def _as_callable(fn) -> Callable:
-    from ._impl.function import OpaqueFunction
-
     if isinstance(fn, OpaqueFunction):
         return fn.cls.apply
     if isinstance(fn, type) and issubclass(fn, torch.autograd.Function):
@@ -531,7 +491,7 @@ def _replacement(info: OpaqueInfo, call: Callable, original: Any) -> Callable:
     qual = f"{info.qualified_name}.{info.overload}"
 
     def replacement(*args, **kwargs):
-        args = _full_args(schema, args, kwargs)
+        args = full_args(schema, args, kwargs)
         for i, conv in convs:
             if args[i] is not None:
                 args[i] = conv(args[i])
@@ -543,8 +503,8 @@ def _replacement(info: OpaqueInfo, call: Callable, original: Any) -> Callable:
                 f"{type(out).__name__} with {len(outs)} item(s) for {qual}, which returns "
                 f"{n_out} tensor(s)."
             )
-        inputs = [a for a in args if isinstance(a, torch.Tensor)]
-        outs = tuple(o.clone() if any(o is a for a in inputs) else o for o in outs)
+        inputs = [t for a in args for t in (a if isinstance(a, (list, tuple)) else (a,))]
+        outs = unalias(outs, inputs)
         return outs[0] if n_out == 1 else outs
 
     return replacement

@@ -180,7 +180,8 @@ bool take_primed(const py::object& runner, PyObject* needs, py::object* out, py:
   return true;
 }
 
-// What the bridge reads once from a kernels.Runner.
+// What the bridge reads once from a forward runner (the attributes and methods
+// it uses are torch_opaque/_impl/bridge.py's ForwardRunnerProtocol).
 struct ForwardSpec {
   std::string name;     // the Function's name, for messages
   py::object runner;    // rare paths: convert_args, outputs, encode_ctx
@@ -191,7 +192,7 @@ struct ForwardSpec {
   size_t n_out;
   bool has_convs;
   // The real kernel keeps ctx attributes as objects (Note [Eager context
-  // state]) when the runner has encode_attrs; Python callers that trace the
+  // state]) when the runner's keeps_ctx_objects is true; Python callers that trace the
   // forward get them encoded.
   bool keep_objects = false;
   std::optional<std::vector<Kind>> kinds;
@@ -245,7 +246,7 @@ detail::ForwardOutcome call_user_forward(const ForwardSpec& s, py::object args,
                                          nullptr));
     }
     for (const auto& [i, t, v] : versions) {
-      if (t._version() != v) s.runner.attr("_raise_modified_input")(i);  // raises
+      if (t._version() != v) s.runner.attr("raise_modified_input")(i);  // raises
     }
   }
 
@@ -307,10 +308,11 @@ void run_forward(ForwardSpec& s, const c10::FunctionSchema& schema, torch::jit::
                          std::move(outcome), recording, stack);
 }
 
-// What the bridge reads once from a kernels.BackwardRunner.
+// What the bridge reads once from a backward runner (BackwardRunnerProtocol
+// in torch_opaque/_impl/bridge.py).
 struct BackwardSpec {
   std::string name;
-  py::object runner;    // rare paths: decode_ctx, _fix_count, _raise_bad_gradients
+  py::object runner;    // rare paths: decode_ctx, fix_gradient_count, raise_bad_gradients
   py::object backward;  // backward(ctx, *grads)
   py::object fn_name;
   std::vector<bool> tensor_args;
@@ -361,7 +363,7 @@ void run_backward(const BackwardSpec& s, const c10::FunctionSchema* schema,
   if (!PyTuple_Check(res.ptr())) res = steal(PyTuple_Pack(1, res.ptr()));
   const size_t n = s.tensor_args.size();
   if (PyTuple_GET_SIZE(res.ptr()) != static_cast<Py_ssize_t>(n)) {
-    res = s.runner.attr("_fix_count")(res);
+    res = s.runner.attr("fix_gradient_count")(res);
   }
   std::vector<at::Tensor> result;
   result.reserve(n);
@@ -372,7 +374,7 @@ void run_backward(const BackwardSpec& s, const c10::FunctionSchema* schema,
     } else if (s.tensor_args[i] && THPVariable_Check(g)) {
       result.push_back(THPVariable_Unpack(g));
     } else {
-      s.runner.attr("_raise_bad_gradients")(res);  // raises
+      s.runner.attr("raise_bad_gradients")(res);  // raises
       TORCH_INTERNAL_ASSERT(false, s.name, ": bad gradient ", i, " was not reported");
     }
   }
@@ -445,7 +447,7 @@ BoxedKernel make_python_forward(py::object runner) {
   auto s = python_owned(forward_spec(runner));
   // Runners that can encode attributes later (kernels.Runner.encode_attrs)
   // keep them as objects; others (stored programs) encode them now.
-  s->keep_objects = py::hasattr(runner, "encode_attrs");
+  s->keep_objects = runner.attr("keeps_ctx_objects").cast<bool>();
   return [s](const c10::FunctionSchema& schema, torch::jit::Stack* stack) {
     run_forward(*s, schema, stack);
   };

@@ -7,8 +7,10 @@
 // finishers as ops written in C++ (Note [One forward finisher] in
 // include/torch_opaque/detail/finishers.h), so saved-tensor matching,
 // output copies and the forward record exist once. The Python runner objects
-// (torch_opaque/_impl/kernels.py) supply the callables and handle the rare paths
-// (argument conversion, ctx attribute encoding, error messages). Python code
+// (torch_opaque/_impl/kernels.py, torch_opaque/archive/stored.py) supply the
+// callables and handle the rare paths (argument conversion, ctx attribute
+// encoding, error messages); what the bridge reads from them is written down
+// in torch_opaque/_impl/bridge.py (ForwardRunnerProtocol, BackwardRunnerProtocol). Python code
 // that traces a forward or backward (fake kernels, graph passes, stored
 // programs) runs it through the same code with run_forward_from_python /
 // run_backward_from_python. Python exceptions propagate unchanged.

@@ -40,6 +40,7 @@ from .kernels import make_backward_fake, modified_input_error
 from . import batching, forward_ad
 from .schema import kinds_key, returns_from_hint, specs_from_hints
 from .schema import schema_arguments, specs_from_values
+from .tracing import real_shaped
 
 DEFAULT_NAMESPACE = "opaque"
 
@@ -57,6 +58,14 @@ _LOCK = threading.RLock()  # held only while the registry changes, never while u
 _BY_ID: dict = {}  # id(class) -> OpaqueFunction
 _BY_OPNAME: dict = {}  # (namespace, name) -> OpaqueFunction, until its ops are released
 _PENDING_RELEASE: list = []  # OpaqueFunctions of dead classes whose ops are still in use
+
+
+def function_for_op(namespace: str, name: str) -> Optional["OpaqueFunction"]:
+    """The OpaqueFunction whose ops are ``namespace::name`` (and its _fwd / _bwd),
+    if a Python Function defines them in this process (the registry's one reader
+    outside this module)."""
+    return _BY_OPNAME.get((namespace, name))
+
 # Stock autograd.Function.apply (Note [Apply interception] in hooks/apply.py).
 _ORIGINAL_APPLY = _apply_hook.ORIGINAL_APPLY
 
@@ -355,12 +364,6 @@ class OpaqueFunction:
         from torch._subclasses.fake_tensor import FakeTensorMode, is_fake
         from torch.utils._python_dispatch import _disable_current_modes
 
-        def hint(s):
-            if isinstance(s, torch.SymInt):
-                h = s.node.hint
-                return h if h is not None else 2
-            return s
-
         user_fake = getattr(self.cls, "fake", None)
         setup = self.cls.setup_context if self.setup_style else None
         runner = FakeRunner(
@@ -377,26 +380,12 @@ class OpaqueFunction:
 
         with _disable_current_modes(), FakeTensorMode(allow_non_fake_inputs=True):
 
-            def fake(v):
-                if isinstance(v, torch.Tensor):
-                    return torch.empty_strided(
-                        [hint(s) for s in v.shape],
-                        [hint(s) for s in v.stride()],
-                        dtype=v.dtype,
-                        device=v.device,
-                    )
-                if isinstance(v, (list, tuple)) and not isinstance(v, torch.Size):
-                    return type(v)(fake(x) for x in v)
-                if isinstance(v, torch.Size):
-                    return torch.Size(hint(x) for x in v)
-                return hint(v)
-
             from .context import ForwardContext
 
             try:
                 out = runner.call_user(
                     ForwardContext(self.display_name, (False,) * len(values)),
-                    [fake(v) for v in values],
+                    [real_shaped(v) for v in values],
                 )
             except FakeForwardError:
                 if tracing:

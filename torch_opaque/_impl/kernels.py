@@ -11,7 +11,6 @@ programs and ONNX.
 
 from __future__ import annotations
 
-import inspect
 from typing import Callable
 
 import torch
@@ -19,6 +18,10 @@ import torch
 from .. import _C
 from .context import ForwardContext, decode_state, encode_state, user_attributes
 from ..errors import FakeForwardError, SchemaError, UnsupportedError
+from .bridge import BackwardChecks, ForwardChecks
+from .calls import CallSignature
+from .bridge import check_tensor_outputs, modified_input_error  # noqa: F401 (re-exported)
+
 
 def fake_forward_error(fn_name: str, err: BaseException) -> FakeForwardError:
     return FakeForwardError(
@@ -34,40 +37,14 @@ def fake_forward_error(fn_name: str, err: BaseException) -> FakeForwardError:
     )
 
 
-def check_tensor_outputs(fn_name: str, outs: tuple) -> None:
-    if not outs:
-        raise SchemaError(
-            f"torch_opaque: {fn_name}.forward returned no tensors; an opaque op needs at "
-            f"least one output."
-        )
-    for k, o in enumerate(outs):
-        if not isinstance(o, torch.Tensor):
-            raise SchemaError(
-                f"torch_opaque: {fn_name}.forward returned a {type(o).__name__} as output {k}; "
-                f"opaque ops return tensors only. Return a tensor (e.g. torch.tensor(value)) "
-                f"or keep this Function unwrapped."
-            )
-
-
-def modified_input_error(fn_name: str, arg) -> UnsupportedError:
-    """Note [In-place forwards] (csrc/python/python_kernel.cpp)."""
-    what = f"argument '{arg}'" if isinstance(arg, str) else f"argument {arg}"
-    return UnsupportedError(
-        f"torch_opaque: {fn_name}.forward modified its {what} in place. An opaque op "
-        f"must not mutate its inputs (compiled graphs would compute wrong values): "
-        f"modify a copy (x = x.clone()) and return it, or keep this Function unwrapped."
-    )
-
-
-class Runner:
+class Runner(ForwardChecks):
     """Calls the user's forward with a ForwardContext.
 
     The real kernel of `_fwd` runs in C++ (Note [Python kernels] in
-    csrc/python/python_kernel.h): it reads ``forward``, ``setup_context``,
-    ``n_out``, ``no_grad`` and ``convs`` from this object and calls
-    ``convert_args``, ``outputs`` and ``encode_ctx`` for the rare paths. Having
-    ``encode_attrs`` tells it that eager calls may keep ctx attributes as
-    objects (Note [Eager context state] in include/torch_opaque/forward_record.h).
+    csrc/python/python_kernel.h) and reads what bridge.ForwardRunnerProtocol
+    names; ``keeps_ctx_objects`` tells it that eager calls may keep ctx
+    attributes as objects and call ``encode_attrs`` later (Note [Eager context
+    state] in include/torch_opaque/forward_record.h).
     ``run`` gives Python callers that trace the forward
     (fake kernels, graph passes, stored programs, ONNX) the same C++ run.
     """
@@ -81,6 +58,10 @@ class Runner:
         self.n_out = n_out
         self.convs = [(i, s.convert) for i, s in enumerate(specs) if s.convert]
         self.no_grad = (False,) * self.n_args
+        self.arg_names = tuple(s.name for s in specs)
+        self.signature = CallSignature.of_specs(fn_name, specs)
+
+    keeps_ctx_objects = True
 
     def convert_args(self, args) -> tuple:
         """Kernel argument values -> the values forward expects (schema converters)."""
@@ -96,9 +77,6 @@ class Runner:
         saved = list(ctx._to_save)
         state, ints = encode_state(self.fn_name, user_attributes(ctx), saved)
         return state, ints, saved
-
-    def _raise_modified_input(self, index: int):
-        raise modified_input_error(self.fn_name, self.specs[index].name if self.specs else index)
 
     def encode_attrs(self, attrs: dict, n_saved: int) -> tuple:
         """(state, state ints, tensors to append to the saved ones) of ctx
@@ -128,32 +106,10 @@ class Runner:
             tuple(args),
         )
 
-    def outputs(self, out) -> tuple:
-        if self.n_out == 1 and type(out) is torch.Tensor:
-            return (out,)
-        outs = out if isinstance(out, tuple) else (out,)
-        if len(outs) != self.n_out:
-            raise RuntimeError(
-                f"torch_opaque: {self.fn_name}.forward returned {len(outs)} outputs, but its "
-                f"op was defined with {self.n_out} (from the first call or the return "
-                f"annotation). A wrapped Function must always return the same number of "
-                f"tensors for the same kinds of arguments."
-            )
-        check_tensor_outputs(self.fn_name, outs)
-        return outs
-
     def complete(self, args, kwargs) -> list:
         """All arguments by position: callers (fake-kernel dispatch, torch.ops with
         keywords) may pass some by keyword or leave schema defaults out."""
-        args = list(args)
-        for spec in self.specs[len(args) :]:
-            if spec.name in kwargs:
-                args.append(kwargs[spec.name])
-            elif spec.default is not inspect.Parameter.empty:
-                args.append(spec.default)
-            else:
-                raise TypeError(f"{self.fn_name}: missing argument '{spec.name}'")
-        return args
+        return self.signature.complete(args, kwargs)
 
 
 class FakeRunner(Runner):
@@ -176,10 +132,7 @@ class FakeRunner(Runner):
         # As the fake kernel of `_fwd`, the last argument is needs_input_grad
         # (Note [needs_input_grad of _fwd], csrc/opaque_op.cpp); as the fake
         # kernel of the op itself there is none.
-        needs = kwargs.pop("needs_input_grad", None)
-        if len(args) > self.n_args:
-            needs = args[self.n_args]
-            args = args[: self.n_args]
+        args, kwargs, needs = self.signature.split_needs_input_grad(args, kwargs)
         if kwargs or len(args) != self.n_args:
             args = self.complete(args, kwargs)
         prev = torch.is_grad_enabled()
@@ -222,11 +175,11 @@ class InferenceFake:
         return outs[0] if len(outs) == 1 else outs
 
 
-class BackwardRunner:
+class BackwardRunner(BackwardChecks):
     """Calls the user's backward with a BackwardContext.
 
     The real kernel of `_bwd` runs in C++ (Note [Python kernels]) and uses
-    ``backward``, ``tensor_flags``, ``decode_ctx`` and the error helpers;
+    what bridge.BackwardRunnerProtocol names;
     ``__call__`` gives Python callers (fake kernels, graph passes, stored
     programs) the same C++ run.
     """
@@ -237,6 +190,7 @@ class BackwardRunner:
         self.specs = specs
         self.n_args = len(specs)
         self.tensor_flags = tuple(s.is_tensor for s in specs)
+        self.arg_names = tuple(s.name for s in specs)
 
     def __call__(self, saved, grads, needs_input_grad, state, state_ints):
         """(gradients,): one gradient or None per forward argument; gradients
@@ -252,32 +206,6 @@ class BackwardRunner:
         """(explicitly saved tensors, attributes) from `_bwd`'s state arguments."""
         n_explicit, attrs = decode_state(state, saved, state_ints)
         return tuple(saved[:n_explicit]), attrs
-
-    def _fix_count(self, res):
-        if len(res) > self.n_args and all(r is None for r in res[self.n_args :]):
-            return res[: self.n_args]
-        raise RuntimeError(
-            f"torch_opaque: {self.fn_name}.backward returned an incorrect number of "
-            f"gradients (expected {self.n_args}, got {len(res)}). Return one "
-            f"gradient (or None) per forward argument."
-        )
-
-    def _raise_bad_gradients(self, res):
-        for i, g in enumerate(res):
-            if g is None:
-                continue
-            spec = self.specs[i]
-            if not spec.is_tensor:
-                raise RuntimeError(
-                    f"torch_opaque: {self.fn_name}.backward returned a gradient different "
-                    f"than None at position {i + 1}, but the corresponding forward input "
-                    f"'{spec.name}' is not a Tensor. Return None there."
-                )
-            if not isinstance(g, torch.Tensor):
-                raise TypeError(
-                    f"torch_opaque: {self.fn_name}.backward returned a {type(g).__name__} at "
-                    f"position {i + 1}; gradients must be tensors or None."
-                )
 
 
 def make_backward_fake(runner: BackwardRunner, fn_name: str) -> Callable:

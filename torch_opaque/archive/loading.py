@@ -14,7 +14,8 @@ import torch
 
 from ..errors import ArchiveError, OpNotAllowedError
 from ..ops import is_opaque_triple, schema_or_none
-from .._impl.schema import schema_arguments
+from .._impl import function as F
+from .._impl.schema import schema_arguments, specs_from_values
 from . import stored as S
 from .manifest import MODULE_RE, Manifest, OpEntry, OverloadRecord, bad_manifest
 from .program import check_model_json, deserialize, read_tensors
@@ -46,7 +47,6 @@ _EXAMPLES = {
 def _define_python_overload(fn, ov: OverloadRecord, description: str) -> None:
     """Defines a recorded overload of a registered Function without calling it
     (OpaqueFunction.overload_for would probe the forward with example values)."""
-    from .._impl.schema import specs_from_values
 
     overload = ov.overload
     qual = f"{fn.namespace}::{fn.name}.{overload}"
@@ -107,11 +107,9 @@ def _resolve_class(module, qualname: Optional[str]):
 
 
 def _register_from_module(op_entry: OpEntry, missing: list, description: str) -> None:
-    from .._impl import function as F
-
     ns, name, module_name = op_entry.namespace, op_entry.name, op_entry.module
     module = importlib.import_module(module_name)
-    fn = F._BY_OPNAME.get((ns, name))
+    fn = F.function_for_op(ns, name)
     if fn is None:
         cls = _resolve_class(module, op_entry.cls)
         if not (isinstance(cls, type) and issubclass(cls, torch.autograd.Function)):
@@ -127,7 +125,7 @@ def _register_from_module(op_entry: OpEntry, missing: list, description: str) ->
                 f"{existing.namespace}::{existing.name}, but {description} calls it {ns}::{name}."
             )
         F.wrap(cls, name=name, namespace=ns, _patch_apply=False)
-        fn = F._BY_OPNAME[(ns, name)]
+        fn = F.function_for_op(ns, name)
     for ov in missing:
         _define_python_overload(fn, ov, description)
 
@@ -160,8 +158,6 @@ def _plan(manifest: Manifest, path, description: str, allow: list, allow_all: bo
     """(action, op entry, missing overloads) for every op the process lacks,
     decided before anything is imported; OpNotAllowedError lists the ops no
     allowed module or stored program can provide."""
-    from .._impl import function as F
-
     plan = []
     problems = []
     for op in manifest.ops:
@@ -189,7 +185,7 @@ def _plan(manifest: Manifest, path, description: str, allow: list, allow_all: bo
         if not missing:
             continue
         stored = all(ov.variants for ov in missing)
-        if (ns, name) in F._BY_OPNAME:
+        if F.function_for_op(ns, name) is not None:
             plan.append(("registered", op, missing))
         elif _allowed(op.module, allow, allow_all):
             plan.append(("import", op, missing))
@@ -236,13 +232,11 @@ def _read_programs(z: ZipReader, contents: ArchiveContents, plan: list) -> dict:
 def _prepare_ops(plan: list, programs: dict, description: str, limits: ArchiveLimits) -> dict:
     """Makes every planned op available; returns the renames of serialized call
     targets to stored overloads (Note [Stored ops beside real ones])."""
-    from .._impl import function as F
-
     rename: dict = {}
     created = []
     for action, op, missing in plan:
         if action == "registered":
-            fn = F._BY_OPNAME[(op.namespace, op.name)]
+            fn = F.function_for_op(op.namespace, op.name)
             for ov in missing:
                 _define_python_overload(fn, ov, description)
             continue

@@ -24,6 +24,7 @@ from typing import Any, Optional
 
 import torch
 
+from .._impl.bridge import SavedKind
 from ..errors import ArchiveError
 from .values import DTYPES, decode_value
 
@@ -36,10 +37,18 @@ IDENT_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 MODULE_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
 _PROGRAM_RE = re.compile(r"^torch_opaque\.program\.[0-9]{1,9}\.(fwd|bwd)$")
 
-# What ctx.save_for_backward saved, by name. The order of the names is the C++
-# enum torch_opaque::SavedKind (include/torch_opaque/forward_record.h), which
-# version 1 manifests stored as integers; only this table maps the two.
-SAVED_KINDS = ("none", "input", "input_item", "output", "residual")
+# What ctx.save_for_backward saved, by name in manifests (version 1 manifests
+# stored the integer of the C++ enum torch_opaque::SavedKind); only this table
+# maps the names to bridge.SavedKind.
+SAVED_KIND_NAMES = {
+    SavedKind.NONE: "none",
+    SavedKind.INPUT: "input",
+    SavedKind.INPUT_LIST_ITEM: "input_item",
+    SavedKind.OUTPUT: "output",
+    SavedKind.RESIDUAL: "residual",
+}
+SAVED_KINDS = tuple(SAVED_KIND_NAMES.values())
+_SAVED_KIND_OF = {name: kind for kind, name in SAVED_KIND_NAMES.items()}
 ARG_KINDS = ("none", "tensor", "tensors", "dyn", "const")
 TOKENS = (
     "Tensor None bool int float str dtype device size Tensors tTensors bools tbools ints tints "
@@ -86,8 +95,8 @@ class SavedRecord:
     item: int = 0
 
     @property
-    def code(self) -> int:
-        return SAVED_KINDS.index(self.kind)
+    def code(self) -> SavedKind:
+        return _SAVED_KIND_OF[self.kind]
 
 
 @dataclasses.dataclass
@@ -328,7 +337,7 @@ def _saved(version: int):
             raise _Invalid(f, f"expected [kind, index, item], got {v!r}")
         kind = v[0]
         if version == 1:
-            kind = SAVED_KINDS[_int(0, len(SAVED_KINDS))(kind, f + "[0]")]
+            kind = SAVED_KIND_NAMES[SavedKind(_int(0, len(SAVED_KINDS))(kind, f + "[0]"))]
         else:
             _one_of(SAVED_KINDS)(kind, f + "[0]")
         return SavedRecord(kind, _int(0, 1 << 20)(v[1], f + "[1]"), _int(0, 1 << 20)(v[2], f + "[2]"))

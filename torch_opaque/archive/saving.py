@@ -11,6 +11,7 @@ import torch
 
 from ..errors import ArchiveError
 from ..ops import opaque_nodes, schema_or_none
+from .._impl.function import function_for_op
 from .._impl.schema import schema_arguments
 from . import stored as S
 from .manifest import MANIFEST, Calls, Manifest, OpEntry, OverloadRecord
@@ -59,9 +60,7 @@ def _collect(graph_modules, records: dict, count: bool) -> list:
 
 
 def _function(rec: _OpCalls):
-    from .._impl.function import _BY_OPNAME
-
-    return rec.function or _BY_OPNAME.get((rec.namespace, rec.name))
+    return rec.function or function_for_op(rec.namespace, rec.name)
 
 
 def _definition(rec: _OpCalls) -> tuple:
@@ -169,7 +168,7 @@ def save(ep, path, *, self_contained: bool = False) -> None:
             ov.variants = stored_variants.get((rec.namespace, rec.name, overload), [])
             overloads.append(ov)
         ops.append(OpEntry(rec.namespace, rec.name, module, cls, defined_in, overloads))
-    from .. import __version__
+    from .. import __version__  # (inside: the package defines it after importing archive/)
 
     manifest = Manifest(
         ops=ops,

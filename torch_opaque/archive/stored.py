@@ -10,14 +10,19 @@ import hashlib
 import json
 import re
 import threading
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
 from .. import _C
+from .._impl.bridge import BackwardChecks, ForwardChecks, SavedKind, saved_triples
+from .._impl.tracing import unalias
 from ..errors import ArchiveError
+from ..ops import register_source, schema_or_none
 from .manifest import OpEntry, OverloadRecord, TensorSig, VariantRecord
-from .values import decode_value, dtype_name, encode_value, full_args, normalize_value
+from .program import program_from_bytes
+from .._impl.calls import CallSignature, full_args, tensor_flags
+from .values import decode_value, dtype_name, encode_value, normalize_value
 
 
 class _Variant:
@@ -39,8 +44,6 @@ class _Variant:
         self.bwd = None
 
     def deserialize(self, description: str, qual: str, limits, rename: dict) -> None:
-        from .program import program_from_bytes
-
         for which in ("fwd", "bwd"):
             where = f"the stored {which} program of {qual}"
             try:
@@ -131,22 +134,6 @@ def _call_summary(schema, args) -> str:
     return "(" + ", ".join(parts) + ")"
 
 
-def _unalias(outs: tuple, inputs: list) -> tuple:
-    """Operator outputs may not alias inputs or each other: copy those that do
-    (what the C++ finishers do for Python Functions, here for stored programs)."""
-    fixed = None
-    for k, o in enumerate(outs):
-        if o is None:
-            continue
-        if any(torch._C._is_alias_of(o, x) for x in inputs) or any(
-            x is not None and torch._C._is_alias_of(o, x) for x in outs[:k]
-        ):
-            if fixed is None:
-                fixed = list(outs)
-            fixed[k] = o.clone()
-    return outs if fixed is None else tuple(fixed)
-
-
 class StoredOverload:
     """Kernels of one overload re-created from stored programs."""
 
@@ -188,13 +175,11 @@ class StoredOverload:
     def forward(self, ctx, *args):
         v, flat = self.select(args, fake=False)
         outs, residuals, ints = self.split(v, v.fwd(flat))
-        # v.saved: (kind, index, item) triples as in include/torch_opaque/forward_record.h
-        sources = {1: lambda i, j: args[i], 2: lambda i, j: args[i][j],
-                   3: lambda i, j: outs[i], 4: lambda i, j: residuals[i]}  # fmt: skip
-        spec = list(v.saved)
+        sources = {SavedKind.INPUT: lambda i, j: args[i], SavedKind.INPUT_LIST_ITEM: lambda i, j: args[i][j],
+                   SavedKind.OUTPUT: lambda i, j: outs[i], SavedKind.RESIDUAL: lambda i, j: residuals[i]}  # fmt: skip
         saved = [
-            sources[spec[k]](spec[k + 1], spec[k + 2]) if spec[k] else None
-            for k in range(0, len(spec), 3)
+            None if kind is SavedKind.NONE else sources[kind](i, j)
+            for kind, i, j in saved_triples(v.saved)
         ]
         ctx.save_for_backward(*saved)
         ctx.mark_non_differentiable(*(o for o, nd in zip(outs, v.non_diff) if nd))
@@ -230,16 +215,14 @@ class StoredOverload:
     # fake kernels (called from Python by PyTorch)
     def fake_fwd(self, *args, **kwargs):
         # `_fwd`'s last argument is needs_input_grad (none when called as the op).
-        needs = kwargs.pop("needs_input_grad", None)
-        if len(args) > len(self.schema.arguments):
-            needs = args[len(self.schema.arguments)]
-            args = args[: len(self.schema.arguments)]
-        args = full_args(self.schema, args, kwargs)
+        sig = CallSignature.of_schema(self.schema)
+        args, kwargs, needs = sig.split_needs_input_grad(args, kwargs)
+        args = sig.complete(args, kwargs)
         v, flat = self.select(args, fake=True)
         outs, residuals, ints = self.split(v, v.fwd.forward(flat))
         inputs = [t for t in flat if isinstance(t, torch.Tensor)]
-        outs = list(_unalias(tuple(outs), inputs))
-        residuals = list(_unalias(tuple(residuals), inputs + outs))
+        outs = list(unalias(tuple(outs), inputs))
+        residuals = list(unalias(tuple(residuals), inputs + outs))
         if needs is not None:
             _C.set_forward_record(list(v.saved), list(v.non_diff), True, str(v.id), list(ints))
         return (*outs, residuals)
@@ -258,7 +241,7 @@ class StoredOverload:
             if needs_input_grad[pos]:
                 res[pos] = g
         inputs = [t for t in (*saved, *grads) if t is not None]
-        return list(_unalias(tuple(res), inputs))
+        return list(unalias(tuple(res), inputs))
 
     def decomposition(self, *args, **kwargs):
         """The forward as ATen ops (for passes.inline): runs the stored program."""
@@ -268,21 +251,23 @@ class StoredOverload:
         return outs[0] if self.n_out == 1 else tuple(outs)
 
 
-class _StoredRunner:
-    """A stored overload's forward, shaped like kernels.Runner for the C++ bridge."""
+class _StoredRunner(ForwardChecks):
+    """A stored overload's forward, for the C++ bridge (bridge.ForwardRunnerProtocol)."""
 
     setup_context = None
     convs = ()
+    keeps_ctx_objects = False  # the bridge calls encode_ctx at once
 
     def __init__(self, sov: StoredOverload):
         self.sov = sov
         self.fn_name = f"{sov.qual}.{sov.overload}"
         self.forward = sov.forward
         self.n_out = sov.n_out
+        self.arg_names = tuple(a.name for a in sov.schema.arguments)
         self.no_grad = (False,) * len(sov.schema.arguments)
 
-    def outputs(self, out) -> tuple:
-        return tuple(out)
+    def convert_args(self, args: tuple) -> tuple:
+        return args
 
     @staticmethod
     def encode_ctx(ctx) -> tuple:
@@ -290,27 +275,18 @@ class _StoredRunner:
         return state, ints, list(ctx.saved_tensors)
 
 
-class _StoredBackwardRunner:
-    """A stored overload's backward, shaped like kernels.BackwardRunner."""
+class _StoredBackwardRunner(BackwardChecks):
+    """A stored overload's backward, for the C++ bridge (bridge.BackwardRunnerProtocol)."""
 
     def __init__(self, sov: StoredOverload):
         self.sov = sov
         self.fn_name = f"{sov.qual}.{sov.overload}"
         self.backward = sov.backward
-        self.tensor_flags = tuple(
-            isinstance(a.type, torch.TensorType)
-            or (isinstance(a.type, torch.OptionalType) and isinstance(a.type.getElementType(), torch.TensorType))
-            for a in sov.schema.arguments
-        )
+        self.arg_names = tuple(a.name for a in sov.schema.arguments)
+        self.tensor_flags = tensor_flags(sov.schema)
 
     def decode_ctx(self, state: str, saved: tuple, state_ints) -> tuple:
         return saved, {"variant": self.sov._variant_of_state(state), "state_ints": state_ints}
-
-    def _fix_count(self, res):
-        raise RuntimeError(f"torch_opaque: {self.fn_name}: stored backward returned {len(res)} gradients")
-
-    def _raise_bad_gradients(self, res):
-        raise RuntimeError(f"torch_opaque: {self.fn_name}: stored backward returned a bad gradient")
 
 
 # Note [Stored ops beside real ones]
@@ -354,6 +330,34 @@ def defined_by(ns: str, name: str) -> Optional[str]:
     return None
 
 
+class _StoredOpSource:
+    """What graph passes and the CLI learn about stored ops, through ops.py
+    (Note [Op sources] in torch_opaque/ops.py)."""
+
+    @staticmethod
+    def defined_by(ns: str, name: str) -> Optional[str]:
+        return defined_by(ns, name)
+
+    @staticmethod
+    def decomposition(info) -> Optional[Callable]:
+        """The op (in its role) as its stored programs compute it, for passes.inline."""
+        sov = stored_overload(info.namespace, info.name, info.overload)
+        if sov is None:
+            return None
+        if info.role == "op":
+            return sov.decomposition
+        if info.role == "fwd":
+
+            def forward(*args, **kwargs):
+                args = full_args(sov.schema, args, kwargs)
+                v, flat = sov.select(args, fake=True)
+                outs, residuals, _ = sov.split(v, v.fwd.forward(flat))
+                return (*outs, list(residuals))
+
+            return forward
+        return sov.fake_bwd
+
+
 def stored_name(ov: OverloadRecord, payloads: dict) -> str:
     """The overload name the stored programs of ``ov`` are defined under."""
     h = hashlib.sha256()
@@ -392,8 +396,6 @@ def define_stored(op: OpEntry, ov: OverloadRecord, payloads: dict, registered: s
 
 
 def _define(op: OpEntry, ov: OverloadRecord, payloads: dict, registered: str) -> StoredOverload:
-    from ..ops import schema_or_none
-
     ns, name = op.namespace, op.name
     schema = torch._C.parse_schema(ov.schema)
     variants = [_Variant(v, {w: payloads[getattr(v, w)] for w in ("fwd", "bwd")}, schema) for v in ov.variants]
@@ -425,4 +427,5 @@ def _define(op: OpEntry, ov: OverloadRecord, payloads: dict, registered: str) ->
         target = getattr(getattr(packet, name + suffix), registered)
         torch.library.register_fake(target, fake, lib=sov.lib)
     _STORED[(ns, name, registered)] = sov
+    register_source(_StoredOpSource)
     return sov

@@ -13,39 +13,16 @@ from typing import Optional
 
 import torch
 
+from .._impl.bridge import SavedKind, saved_triples
+from .._impl.kernels import BackwardRunner, Runner
+from .._impl.tracing import size_hint
 from ..errors import ArchiveError
-from .manifest import PROGRAM_PREFIX, SAVED_KINDS, ArgRecord, SavedRecord, TensorSig, VariantRecord
-from .values import decode_value, dtype_name, encode_value, full_args, normalize_value, tensor_kind
+from .manifest import PROGRAM_PREFIX, SAVED_KIND_NAMES, ArgRecord, SavedRecord, TensorSig, VariantRecord
+from .._impl.calls import full_args, tensor_kind
+from .values import decode_value, dtype_name, encode_value, normalize_value
 
 
 # ---- self-contained: tracing each kind of call ---------------------------------------
-
-
-def _hint(v) -> int:
-    if isinstance(v, int):
-        return v
-    node = v.node
-    h = getattr(node, "hint", None)
-    if h is not None:
-        return int(h)
-    env = getattr(node, "shape_env", None)
-    if env is not None:
-        try:
-            h = env.size_hint(node.expr, allow_none=True)
-        except Exception:
-            h = None
-        if h is not None:
-            return int(h)
-        subs = {}
-        for s in node.expr.free_symbols:
-            vr = env.var_to_range.get(s)
-            lo = int(vr.lower) if vr is not None and vr.lower.is_finite else 2
-            subs[s] = max(lo, 2)
-        try:
-            return int(node.expr.xreplace(subs))
-        except Exception:
-            pass
-    return 4
 
 
 def _is_symbolic(v) -> bool:
@@ -88,7 +65,7 @@ def _site_signature(schema, node) -> tuple:
             desc.append({"kind": "tensors", "items": items})
         elif isinstance(v, torch.SymInt) and _is_symbolic(v):
             desc.append({"kind": "dyn"})
-            ints_flat.append(_hint(v))
+            ints_flat.append(size_hint(v))
             ints_dyn.append(torch.export.Dim.AUTO)
         else:
             if isinstance(v, (torch.SymFloat, torch.SymBool)) or (
@@ -108,7 +85,7 @@ def _dims(t) -> Optional[dict]:
 
 
 def _example_tensor(t) -> torch.Tensor:
-    shape = [_hint(s) for s in t.shape]
+    shape = [size_hint(s) for s in t.shape]
     if t.dtype.is_floating_point or t.dtype.is_complex:
         gen = torch.Generator().manual_seed(len(shape) * 7919 + sum(shape))
         return torch.randn(shape, dtype=t.dtype, generator=gen).to(t.device)
@@ -121,8 +98,6 @@ class _ForwardTrace(torch.nn.Module):
 
     def __init__(self, fn, overload, desc, report):
         super().__init__()
-        from .._impl.kernels import Runner
-
         ov = fn.overloads[overload]
         setup = fn.cls.setup_context if fn.setup_style else None
         self.runner = Runner(fn.display_name, fn.cls.forward, setup, ov.specs, ov.n_out)
@@ -150,8 +125,6 @@ class _BackwardTrace(torch.nn.Module):
 
     def __init__(self, fn, overload, saved_none, n_out, state, needs, report):
         super().__init__()
-        from .._impl.kernels import BackwardRunner
-
         ov = fn.overloads[overload]
         self.runner = BackwardRunner(fn.display_name, fn.cls.backward, ov.specs)
         self.saved_none = saved_none
@@ -313,16 +286,15 @@ def _trace_variant(fn, overload, schema, desc, flat, dyn) -> tuple:
     args = _rebuild_args(desc, list(flat))
 
     b_flat, b_dyn, saved_none = [], [], []
-    for k in range(0, len(saved), 3):
-        kind, index, item = saved[k : k + 3]
-        if kind == 0:
+    for kind, index, item in saved_triples(saved):
+        if kind is SavedKind.NONE:
             saved_none.append(True)
             continue
-        if kind == 1:
+        if kind is SavedKind.INPUT:
             t, meta = args[index], in_vals[flat_pos[(index, 0)]]
-        elif kind == 2:
+        elif kind is SavedKind.INPUT_LIST_ITEM:
             t, meta = args[index][item], in_vals[flat_pos[(index, item)]]
-        elif kind == 3:
+        elif kind is SavedKind.OUTPUT:
             t, meta = outs[index], out_vals[index]
         else:
             t, meta = residuals[index], out_vals[n_out + index]
@@ -352,10 +324,7 @@ def _trace_variant(fn, overload, schema, desc, flat, dyn) -> tuple:
         args=[_arg_record(d) for d in desc],
         n_residuals=n_res,
         n_state_ints=n_ints,
-        saved=[
-            SavedRecord(SAVED_KINDS[saved[k]], int(saved[k + 1]), int(saved[k + 2]))
-            for k in range(0, len(saved), 3)
-        ],
+        saved=[SavedRecord(SAVED_KIND_NAMES[kind], i, j) for kind, i, j in saved_triples(saved)],
         non_differentiable=[bool(x) for x in non_diff],
         grads=list(box[-1]),
         fwd="",

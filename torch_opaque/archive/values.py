@@ -111,32 +111,3 @@ def normalize_value(v: Any, arg) -> Any:
             return [float(x) if isinstance(x, (int, float)) else x for x in items]
         return items
     return v
-
-
-def tensor_kind(arg) -> str:
-    """'tensor' (Tensor / Tensor?), 'tensors' (Tensor[] / Tensor?[]) or 'value'."""
-    t = arg.type
-    if isinstance(t, torch.OptionalType):
-        t = t.getElementType()
-    if isinstance(t, torch.TensorType):
-        return "tensor"
-    if isinstance(t, torch.ListType):
-        e = t.getElementType()
-        if isinstance(e, torch.OptionalType):
-            e = e.getElementType()
-        if isinstance(e, torch.TensorType):
-            return "tensors"
-    return "value"
-
-
-def full_args(schema, args, kwargs) -> list:
-    """All arguments of a call by position (keywords and schema defaults filled in)."""
-    out = list(args)
-    for a in schema.arguments[len(out) :]:
-        if a.name in kwargs:
-            out.append(kwargs[a.name])
-        elif a.has_default_value():
-            out.append(a.default_value)
-        else:
-            raise TypeError(f"{schema.name}: missing argument '{a.name}'")
-    return out

@@ -57,6 +57,7 @@ from typing import Optional
 
 import torch
 
+from .._impl.tracing import real_shaped
 from .apply import ORIGINAL_APPLY
 
 log = logging.getLogger("torch_opaque")
@@ -277,25 +278,6 @@ def call(cls: type, args: tuple, kwargs: dict):
     return out
 
 
-def _hint(v):
-    if isinstance(v, torch.SymInt):
-        h = v.node.hint
-        return h if h is not None else 2
-    return v
-
-
-def _fake_like(v):
-    if isinstance(v, torch.Tensor):
-        return torch.empty_strided(
-            [_hint(s) for s in v.shape], [_hint(s) for s in v.stride()], dtype=v.dtype, device=v.device
-        )
-    if isinstance(v, (list, tuple)) and not isinstance(v, torch.Size):
-        return type(v)(_fake_like(x) for x in v)
-    if isinstance(v, torch.Size):
-        return torch.Size(_hint(x) for x in v)
-    return _hint(v)
-
-
 def check_recording(ov, values) -> None:
     """First traced call of an auto-registered overload: run its fake forward
     as a training graph would (recording ctx), on fresh fake tensors outside the
@@ -306,7 +288,7 @@ def check_recording(ov, values) -> None:
 
     runner = ov.fake_runner
     with _disable_current_modes(), FakeTensorMode(allow_non_fake_inputs=True), torch.no_grad():
-        args = [_fake_like(v) for v in values]
+        args = [real_shaped(v) for v in values]
         needs = [isinstance(v, torch.Tensor) for v in values]
         runner.run(needs, args, runner.guarded_forward, runner.guarded_setup)
 

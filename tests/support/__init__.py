@@ -1,0 +1,2 @@
+"""Helpers shared by the tests: fresh interpreters (processes.py) and the
+scripts they run (scripts/)."""
