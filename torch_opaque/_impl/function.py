@@ -40,7 +40,7 @@ from .kernels import make_backward_fake, modified_input_error
 from . import batching, forward_ad
 from .schema import kinds_key, returns_from_hint, specs_from_hints
 from .schema import schema_arguments, specs_from_values
-from .tracing import real_shaped
+from .tracing import one_plain_sample, real_shaped
 
 DEFAULT_NAMESPACE = "opaque"
 
@@ -396,7 +396,7 @@ class OpaqueFunction:
             # output structure from one real call (without autograd).
             from torch._functorch.pyfunctorch import temporarily_clear_interpreter_stack
 
-            plain = [_unwrapped(v) for v in values]
+            plain = [one_plain_sample(v) for v in values]
             with torch.no_grad(), temporarily_clear_interpreter_stack():
                 out = Runner(self.display_name, self.cls.forward, setup, specs, -1).call_user(
                     ForwardContext(self.display_name, (False,) * len(values)), plain
@@ -409,18 +409,6 @@ def _output_structure(fn_name: str, out) -> tuple:
     outs = out if isinstance(out, tuple) else (out,)
     check_tensor_outputs(fn_name, outs)
     return len(outs), isinstance(out, tuple)
-
-
-def _unwrapped(v):
-    """A torch.func (vmap, grad, jvp) wrapped tensor's plain tensor (one sample
-    of a vmapped one): the output probe of a first call inside a transform runs on it."""
-    F = torch._C._functorch
-    while isinstance(v, torch.Tensor) and F.is_functorch_wrapped_tensor(v):
-        if F.is_batchedtensor(v):  # one sample
-            v = F.get_unwrapped(v).select(F.maybe_get_bdim(v), 0)
-        else:
-            v = F.get_unwrapped(v)
-    return v
 
 
 def _traced(values) -> bool:
