@@ -1,5 +1,5 @@
 """Crafted .pt2 archives, as an attacker would write them (used by
-tests/test_archive_corpus.py).
+tests/archive/test_archive_corpus.py).
 
 Each case is a file plus what ``torch_opaque.load`` and ``inspect`` must do
 with it. Every pickle planted here, when unpickled, creates the marker file

@@ -1,6 +1,6 @@
 """torch_opaque._impl.schema, piece by piece: specs from values, from type
 hints, return hints and the kinds key (the behaviour through real Functions is
-in tests/test_schema_inference.py)."""
+in tests/impl/test_schema_inference.py)."""
 
 import typing
 from typing import List, Optional, Sequence, Tuple
@@ -57,8 +57,8 @@ def test_defaults_are_kept_on_the_spec():
 @pytest.mark.parametrize(
     "value, message",
     [
-        (object(), r"^f: argument 'a' has type object, which an operator schema cannot carry"),
-        ([1, "x"], r"^f: argument 'a' is a list mixing \['int', 'str'\]"),
+        (object(), r"^torch_opaque: f: argument 'a' has type object, which an operator schema cannot carry"),
+        ([1, "x"], r"^torch_opaque: f: argument 'a' is a list mixing \['int', 'str'\]"),
         (2**70, r"^torch_opaque: f: argument 'a' is the int 1180591620717411303424, beyond the 64-bit"),
     ],
 )
@@ -93,7 +93,7 @@ def test_an_annotation_no_schema_carries_is_an_error_naming_it():
     def fwd(ctx, x: torch.Tensor, f: dict):
         return x
 
-    with pytest.raises(SchemaError, match=r"^F: argument 'f' is annotated as <class 'dict'>"):
+    with pytest.raises(SchemaError, match=r"^torch_opaque: F: argument 'f' is annotated as <class 'dict'>"):
         specs_from_hints(fwd, ["x", "f"], {}, "F")
 
 

@@ -227,7 +227,7 @@ class OpaqueFunction:
         """Positional arguments with defaults filled in, in forward's order."""
         if self.varargs:
             if kwargs:
-                raise TypeError(f"{self.display_name}.apply takes no keyword arguments")
+                raise TypeError(f"torch_opaque: {self.display_name}.apply takes no keyword arguments")
             return list(args)
         if not kwargs and len(args) == len(self.arg_names):
             return list(args)

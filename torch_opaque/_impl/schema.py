@@ -170,12 +170,12 @@ def _spec_from_value(fn_name: str, name: str, value: Any, default: Any) -> ArgSp
         ):
             return ArgSpec(name, "float[]", prefix + "floats", conv, default)
         raise SchemaError(
-            f"{fn_name}: argument '{name}' is a {type(value).__name__} mixing "
+            f"torch_opaque: {fn_name}: argument '{name}' is a {type(value).__name__} mixing "
             f"{sorted({type(v).__name__ for v in items})}; torch_opaque supports {SUPPORTED}. "
             f"Pass a list of one kind, or keep this Function unwrapped."
         )
     raise SchemaError(
-        f"{fn_name}: argument '{name}' has type {type(value).__name__}, which an operator "
+        f"torch_opaque: {fn_name}: argument '{name}' has type {type(value).__name__}, which an operator "
         f"schema cannot carry; torch_opaque supports {SUPPORTED}. Pass it as one of "
         f"those, or keep this Function unwrapped."
     )
@@ -240,7 +240,7 @@ def _spec_from_hint(fn_name: str, name: str, hint: Any, default: Any) -> ArgSpec
             conv = _to_tuple if origin is tuple else None
             return ArgSpec(name, _HINT_ELEMS[elems[0]] + "[]", "list", conv, default)
     raise SchemaError(
-        f"{fn_name}: argument '{name}' is annotated as {hint!r}, which an operator schema "
+        f"torch_opaque: {fn_name}: argument '{name}' is annotated as {hint!r}, which an operator schema "
         f"cannot carry; torch_opaque supports {SUPPORTED}. Change the annotation, or "
         f"remove the annotations to infer the schema from the first call."
     )

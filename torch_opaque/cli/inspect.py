@@ -22,9 +22,11 @@ holds a body for it.
 from __future__ import annotations
 
 import argparse
+import functools
 import html
 import os
 import sys
+import typing
 from typing import Optional
 
 from ..errors import ArchiveError, TorchOpaqueError
@@ -55,41 +57,57 @@ def format_table(header: list, rows: list) -> str:
 
 # ---- .pt2 ----------------------------------------------------------------------------------------
 
-_ARG_TYPES = {
-    "as_tensor": "Tensor",
-    "as_tensors": "Tensor[]",
-    "as_optional_tensor": "Tensor?",
-    "as_optional_tensors": "Tensor?[]",
-    "as_int": "int",
-    "as_ints": "int[]",
-    "as_sym_int": "SymInt",
-    "as_sym_ints": "SymInt[]",
-    "as_float": "float",
-    "as_floats": "float[]",
-    "as_sym_float": "SymFloat",
-    "as_sym_floats": "SymFloat[]",
-    "as_bool": "bool",
-    "as_bools": "bool[]",
-    "as_sym_bool": "SymBool",
-    "as_sym_bools": "SymBool[]",
-    "as_string": "str",
-    "as_strings": "str[]",
-    "as_scalar_type": "ScalarType",
-    "as_device": "Device",
-    "as_layout": "Layout",
-    "as_memory_format": "MemoryFormat",
-    "as_none": "None",
-    "as_graph": "Graph",
-    "as_custom_obj": "CustomObj",
-    "as_operator": "Operator",
+# The schema type named by each tag of torch's serialized Argument union
+# (torch._export.serde.schema.Argument): the tags and their element types come
+# from torch; only the element types' schema names are written here.
+_ELEMENT_NAMES = {
+    "TensorArgument": "Tensor",
+    "OptionalTensorArgument": "Tensor?",
+    "SymIntArgument": "SymInt",
+    "SymFloatArgument": "SymFloat",
+    "SymBoolArgument": "SymBool",
+    "GraphArgument": "Graph",
+    "CustomObjArgument": "CustomObj",
+    "ComplexValue": "complex",
+    "Device": "Device",
+    "ScalarType": "ScalarType",
+    "Layout": "Layout",
+    "MemoryFormat": "MemoryFormat",
+    "int": "int",
+    "float": "float",
+    "bool": "bool",
+    "str": "str",
 }
+_SPECIAL_TAGS = {"as_none": "None", "as_operator": "Operator"}  # a bool, a str in torch's union
+
+
+def _type_name(t) -> str:
+    if typing.get_origin(t) is list:
+        return _type_name(typing.get_args(t)[0]) + "[]"
+    if typing.get_origin(t) is dict:
+        return "Dict"
+    return _ELEMENT_NAMES.get(getattr(t, "__name__", ""), "?")
+
+
+@functools.lru_cache(maxsize=None)
+def _arg_types() -> dict:
+    """Tag of torch's serialized Argument union -> schema type name."""
+    from torch._export.serde import schema  # (here: `import torch_opaque` stays light)
+
+    hints = typing.get_type_hints(schema.Argument)
+    return {
+        tag: _SPECIAL_TAGS.get(tag) or _type_name(t)
+        for tag, t in hints.items()
+        if tag.startswith("as_")
+    }
 
 
 def _arg_type(arg) -> str:
     if isinstance(arg, dict):
+        types = _arg_types()
         for k, v in arg.items():
-            if v is not None and k in _ARG_TYPES:
-                return _ARG_TYPES[k]
+            if v is not None and k in types:
+                return types[k]
     return "?"
 
 

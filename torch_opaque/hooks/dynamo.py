@@ -72,7 +72,7 @@ def _arg_trackers(fn, tx, args, kwargs) -> list:
     arg_vts = list(args)
     for n in fn.arg_names[len(arg_vts) :]:
         if n not in fn.defaults:
-            raise TypeError(f"{fn.display_name}.apply() missing argument '{n}'")
+            raise TypeError(f"torch_opaque: {fn.display_name}.apply() missing argument '{n}'")
         arg_vts.append(VariableTracker.build(tx, fn.defaults[n]))
     return arg_vts
 

@@ -217,3 +217,19 @@ def test_size_limit_option(files, capsys):
     assert "inflates to" in err and "more than the manifest limit of 1000 bytes" in err
     assert cli.main(["inspect", str(files / "net.pt2"), "--max-size", str(1 << 20)]) == 0
     assert "opaque::ArchCube" in capsys.readouterr().out
+
+
+def test_every_tag_of_torchs_serialized_argument_has_a_type_name():
+    """The inferred schemas of undescribed ops name argument types from torch's
+    own serialized Argument union, so a tag torch adds cannot print as '?'
+    unnoticed."""
+    import dataclasses
+
+    from torch._export.serde import schema
+    from torch_opaque.cli.inspect import _arg_types
+
+    tags = {f.name for f in dataclasses.fields(schema.Argument) if f.name.startswith("as_")}
+    types = _arg_types()
+    assert set(types) == tags
+    assert "?" not in types.values(), types
+    assert types["as_sym_ints"] == "SymInt[]" and types["as_optional_tensor"] == "Tensor?"
