@@ -2,6 +2,7 @@
 non-tensor ctx attributes to the `_bwd` op's (state, state_ints) and back."""
 
 import enum
+import re
 
 import pytest
 import torch
@@ -85,3 +86,16 @@ def test_the_state_is_a_literal_without_code():
 def test_values_a_graph_cannot_carry_are_refused_naming_the_attribute(value, message):
     with pytest.raises(UnsupportedError, match=r"^torch_opaque: Fn: " + message):
         encode_state("Fn", {"v": value}, [])
+
+
+@pytest.mark.parametrize("state, what", [
+    ("(0, (('f', ('D', 'ops')),))", "'ops' is not a dtype name"),
+    ("(0, (('f', ('D', 'load')),))", "'load' is not a dtype name"),
+    ("(0, (('f', ('X', (1, 2))),))", "unknown entry ('X', (1, 2))"),
+])
+def test_a_crafted_state_decodes_to_plain_values_only(state, what):
+    # A program loaded from a file carries its state strings: a dtype tag must
+    # name a dtype, not hand any torch attribute (torch.load, torch.ops) to a backward.
+    with pytest.raises(UnsupportedError, match=re.escape(what)) as info:
+        decode_state(state, [], [])
+    assert str(info.value).startswith("torch_opaque: invalid ctx state in the graph")

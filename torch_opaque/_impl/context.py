@@ -137,6 +137,14 @@ def encode_state(fn_name: str, attrs: dict, saved: list) -> tuple:
 _DECODE_CACHE: dict = {}
 
 
+def _bad_state(what: str) -> UnsupportedError:
+    # A state string comes from a graph, and a graph may come from a file: it
+    # decodes to plain values only (Note [Context state]).
+    return UnsupportedError(
+        f"torch_opaque: invalid ctx state in the graph ({what}); the state argument of an "
+        "opaque op must be written by torch_opaque (export the program again)")
+
+
 def _decode(v, saved, ints):
     if isinstance(v, tuple):
         tag, body = v
@@ -145,11 +153,16 @@ def _decode(v, saved, ints):
         if tag == "S":
             return ints[body]
         if tag == "D":
-            return getattr(torch, body)
+            dtype = getattr(torch, body, None) if isinstance(body, str) else None
+            if not isinstance(dtype, torch.dtype):
+                raise _bad_state(f"{body!r} is not a dtype name")
+            return dtype
         if tag == "V":
             return torch.device(body)
         if tag == "F":
             return float(body)
+        if tag not in ("Z", "L", "U") or not isinstance(body, tuple):
+            raise _bad_state(f"unknown entry {v!r}")
         items = [_decode(x, saved, ints) for x in body]
         if tag == "Z":
             return torch.Size(items)
