@@ -1,4 +1,5 @@
 #include "autograd_kernel.h"
+#include "forward_ad.h"
 
 #include <ATen/core/List.h>
 #include <ATen/core/stack.h>
@@ -133,7 +134,8 @@ class OpaqueBackward final : public Node {
     const c10::DispatchKeySet traced(
         {c10::DispatchKey::Python, c10::DispatchKey::PythonTLSSnapshot,
          c10::DispatchKey::Functionalize, c10::DispatchKey::FuncTorchDynamicLayerFrontMode,
-         c10::DispatchKey::FuncTorchBatched, c10::DispatchKey::FuncTorchGradWrapper});
+         c10::DispatchKey::FuncTorchBatched, c10::DispatchKey::FuncTorchGradWrapper,
+         c10::DispatchKey::Batched});
     if (!(c10::impl::tls_local_dispatch_key_set().included_ & traced).empty()) return false;
     for (const auto& l : {a, b}) {
       for (size_t i = 0; i < l.size(); ++i) {
@@ -168,6 +170,16 @@ void AutogradKernel::operator()(const c10::OperatorHandle& handle,
                                 c10::DispatchKeySet keys, torch::jit::Stack* stack) {
   std::shared_ptr<OpaqueOp> op = op_.lock();
   TORCH_INTERNAL_ASSERT(op, "opaque op used after its definition was destroyed");
+  if (has_forward_grads(*stack, op->num_arguments())) {
+    run_with_forward_grads(*op, stack, [&](torch::jit::Stack* s) { reverse(op, handle, keys, s); });
+    return;
+  }
+  reverse(op, handle, keys, stack);
+}
+
+void AutogradKernel::reverse(const std::shared_ptr<OpaqueOp>& op,
+                             const c10::OperatorHandle& handle, c10::DispatchKeySet keys,
+                             torch::jit::Stack* stack) {
   const size_t n_args = op->num_arguments();
   const size_t n_out = op->num_outputs();
   // `_fwd`: its needs_input_grad argument is replaced by the flags below.
@@ -194,11 +206,6 @@ void AutogradKernel::operator()(const c10::OperatorHandle& handle,
     auto add_edge = [&](size_t i, const at::Tensor& t) {
       edge_args.push_back(n_slots);
       edge_tensors.push_back(t);
-      TORCH_CHECK(!t.defined() || !t._fw_grad(/*level=*/0).defined(),
-                  op->qualified_name(),
-                  ": forward-mode AD (dual tensors, jvp) through an opaque op is not "
-                  "supported; opaque ops carry reverse-mode gradients only. Compute the "
-                  "jvp with reverse mode (torch.func.vjp) or keep this Function unwrapped.");
       if (grad_on && t.defined() && t.requires_grad()) {
         needs[i] = true;
         any = true;
@@ -210,6 +217,14 @@ void AutogradKernel::operator()(const c10::OperatorHandle& handle,
         ++n_slots;
       } else if (lists && args[i].isTensorList()) {
         for (const at::Tensor& t : args[i].toTensorList().vec()) {
+          // Top-level tangents take the forward-AD path (forward_ad.cpp); a
+          // list element's would be dropped, so it is refused as stock
+          // refuses a Function without jvp.
+          TORCH_CHECK_NOT_IMPLEMENTED(
+              !t.defined() || !t._fw_grad(/*level=*/0).defined(), op->qualified_name(),
+              ": argument '", handle.schema().arguments()[i].name(),
+              "' (Tensor[]) holds dual tensors, but forward-mode AD through tensor-list "
+              "elements is not supported; compute the jvp with reverse mode (torch.func.vjp).");
           add_edge(i, t);
           ++n_slots;
         }

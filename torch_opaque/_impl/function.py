@@ -37,9 +37,10 @@ from ..errors import FakeForwardError, SchemaError
 from ..hooks import apply as _apply_hook
 from .kernels import BackwardRunner, FakeRunner, InferenceFake, Runner, check_tensor_outputs
 from .kernels import make_backward_fake, modified_input_error
+from . import batching, forward_ad
 from .schema import kinds_key, returns_from_hint, specs_from_hints, type_hints
 from .schema import schema_arguments, specs_from_values
-from .tracing import real_shaped
+from .tracing import one_plain_sample, real_shaped
 
 DEFAULT_NAMESPACE = "opaque"
 
@@ -133,6 +134,11 @@ class Overload:
         _register_fake(fn.lib, self.op, InferenceFake(fake_runner), source)
         _register_fake(fn.lib, self.fwd_op, fake_runner, source)
         _register_fake(fn.lib, self.bwd_op, make_backward_fake(bwd, name), source)
+        self.bwd_runner = bwd
+        self.jvp_op = None
+        if forward_ad.has_jvp(fn.cls):
+            forward_ad.define(self, fn.cls, fn.lib, arguments)
+        batching.Rules(self, fn.cls).register(fn.lib, fn.name)
 
     def __call__(self, args):
         out = self.op(*args)
@@ -402,9 +408,12 @@ class OpaqueFunction:
         if out is None:
             # Eager use of a forward that cannot run on fake tensors: learn the
             # output structure from one real call (without autograd).
-            with torch.no_grad():
+            from torch._functorch.pyfunctorch import temporarily_clear_interpreter_stack
+
+            plain = [one_plain_sample(v) for v in values]
+            with torch.no_grad(), temporarily_clear_interpreter_stack():
                 out = Runner(self.display_name, self.cls.forward, setup, specs, -1).call_user(
-                    ForwardContext(self.display_name, (False,) * len(values)), values
+                    ForwardContext(self.display_name, (False,) * len(values)), plain
                 )
         return _output_structure(self.display_name, out)
 
@@ -569,12 +578,12 @@ def _forget(fn: OpaqueFunction) -> None:
     from torch._library import simple_registry
 
     for ov in fn.overloads.values():  # the (now empty) fake-kernel entries
-        for suffix in ("", "_fwd", "_bwd"):
+        for suffix in ("", "_fwd", "_bwd", "_jvp"):
             base = f"{fn.namespace}::{fn.name}{suffix}"
             simple_registry.singleton._data.pop(f"{base}.{ov.name}", None)
             simple_registry.singleton._data.pop(base if not ov.overload else f"{base}.{ov.overload}", None)
     ns = getattr(torch.ops, fn.namespace)
-    for suffix in ("", "_fwd", "_bwd"):  # torch.ops' caches of the deregistered ops
+    for suffix in ("", "_fwd", "_bwd", "_jvp"):  # torch.ops' caches of the deregistered ops
         vars(ns).pop(fn.name + suffix, None)
         if fn.name + suffix in ns._dir:
             ns._dir.remove(fn.name + suffix)
