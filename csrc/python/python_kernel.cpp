@@ -155,7 +155,9 @@ class PyEagerState final : public EagerState {
 
 // Note [First call runs forward once]
 // The first eager call of a Function learns the op's outputs by running the
-// user's forward for real (kernels.Runner.prime); the op is then defined and
+// user's forward for real, through call_checked_forward as the kernel does
+// (run_first_forward_from_python, called by kernels.Runner.run_first, so the
+// in-place check exists once); the op is then defined and
 // called, and its kernel takes that result from this slot instead of running
 // the forward a second time. The slot belongs to one runner and one
 // needs_input_grad; set_primed(None, ...) clears it.

@@ -16,8 +16,8 @@ from .._impl.function import lookup
 from ..errors import OnnxExportError
 from ..ops import OpaqueInfo, opaque_nodes
 from .functions import FunctionBodies, add_functions
-from .nodes import CUSTOM_OPSET_VERSION, _bind, _call, _constants, _split, _tensor_kind
-from .registry import _reuse_torchlib_registry
+from .nodes import CUSTOM_OPSET_VERSION, bind_call, record_node, call_constants, split_call, tensor_arity
+from .registry import reuse_torchlib_registry
 from .training import TrainingCalls, ValueList, with_user_outputs
 
 
@@ -59,7 +59,7 @@ def export(
     if dynamic_shapes is not None:
         kw["dynamic_shapes"] = dynamic_shapes  # torch.onnx names the axes after them
     exporter = _Exporter(_normalize_mapping(mapping or {}), functions, opset, kw)
-    with _reuse_torchlib_registry():
+    with reuse_torchlib_registry():
         model = exporter.to_ir(ep, top=True)
     add_functions(model, exporter.functions)
     if inline:
@@ -141,7 +141,7 @@ class _Exporter(FunctionBodies):
             return
         if callable(mapped) and not isinstance(mapped, OnnxFunction):
             return  # a translation function: torch.onnx calls it with the node's arguments
-        args = _bind(info.target, fx_node.args, fx_node.kwargs)
+        args = bind_call(info.target, fx_node.args, fx_node.kwargs)
         _refuse_symbolic(
             args, qual, fx_node, "(e.g. a dynamic size)", f"Make it static, or pass mapping="
             f"{{'{qual}': <translation function>}} that takes it as an input."
@@ -168,7 +168,7 @@ class _Exporter(FunctionBodies):
         else:
             return
         for arg, value in args:
-            if _tensor_kind(arg) is None and value is not None and arg.name not in known:
+            if tensor_arity(arg) is None and value is not None and arg.name not in known:
                 raise OnnxExportError(
                     f"torch_opaque.onnx: {qual} has argument '{arg.name}', which ONNX "
                     f"{getattr(mapped, 'name', mapped)} has no attribute for (it has: "
@@ -193,13 +193,13 @@ class _Exporter(FunctionBodies):
                 f"for bare custom nodes."
             )
         _refuse_symbolic(
-            _bind(info.target, fx_node.args, fx_node.kwargs), qual, fx_node,
+            bind_call(info.target, fx_node.args, fx_node.kwargs), qual, fx_node,
             "(e.g. a dynamic size the backward needs)",
             "Export the training step with static shapes.",
         )
         try:
             self.training.add(
-                info.target, _constants(info.target, fx_node.args, fx_node.kwargs), fx_node,
+                info.target, call_constants(info.target, fx_node.args, fx_node.kwargs), fx_node,
                 info.role,
             )
         except ValueError as e:
@@ -210,11 +210,11 @@ class _Exporter(FunctionBodies):
         op_type = f"{info.name}_{info.role}"
 
         def translate(*args, **kwargs):
-            inputs, attrs = _split(target, args, kwargs)
-            shape = self.training.get(target, _constants(target, args, kwargs))
+            inputs, attrs = split_call(target, args, kwargs)
+            shape = self.training.get(target, call_constants(target, args, kwargs))
             n_main = len(target._schema.returns) - 1
             n = n_main + shape if info.role == "fwd" else len(shape)
-            outs = _call(info.namespace, op_type, CUSTOM_OPSET_VERSION, inputs, attrs, n)
+            outs = record_node(info.namespace, op_type, CUSTOM_OPSET_VERSION, inputs, attrs, n)
             outs = list(outs) if n > 1 else [outs]
             self._emitted.append((outs[0].producer(), info))
             if info.role == "fwd":
@@ -236,14 +236,14 @@ class _Exporter(FunctionBodies):
         n_out = len(target._schema.returns)
 
         def translate(*args, **kwargs):
-            inputs, attrs = _split(target, args, kwargs)
+            inputs, attrs = split_call(target, args, kwargs)
             if isinstance(mapped, str):
                 op = getattr(Opset("", self.opset), mapped)
                 return op(*(v for _, v in inputs), **{a.name: a.value for a in attrs})
             if isinstance(mapped, OnnxFunction):
-                return _call(mapped.opset.domain, mapped.name, mapped.opset.version,
+                return record_node(mapped.opset.domain, mapped.name, mapped.opset.version,
                              inputs, attrs, n_out)
-            outs = _call(info.namespace, info.name, CUSTOM_OPSET_VERSION, inputs, attrs, n_out)
+            outs = record_node(info.namespace, info.name, CUSTOM_OPSET_VERSION, inputs, attrs, n_out)
             self._emitted.append(((outs[0] if n_out > 1 else outs).producer(), info))
             return outs
 
@@ -254,7 +254,7 @@ def _refuse_symbolic(args: list, qual: str, fx_node, example: str, advice: str) 
     """Non-tensor arguments become ONNX attributes, which are constants."""
     for arg, value in args:
         values = value if isinstance(value, (list, tuple)) else [value]
-        if _tensor_kind(arg) is None and any(isinstance(v, torch.fx.Node) for v in values):
+        if tensor_arity(arg) is None and any(isinstance(v, torch.fx.Node) for v in values):
             raise OnnxExportError(
                 f"torch_opaque.onnx: argument '{arg.name}' of {qual} is a symbolic value at "
                 f"{fx_node.name} {example}, but ONNX attributes are constants. {advice}"

@@ -15,7 +15,7 @@ import torch
 from .._impl.tracing import CallTemplate, ForwardTrace, size_hint, trace_to_aten
 from ..errors import OnnxExportError
 from ..ops import OpaqueInfo
-from .nodes import _bind, _static, _tensor_kind
+from .nodes import bind_call, static_size, tensor_arity
 from .training import BackwardBody
 
 
@@ -41,15 +41,15 @@ class FunctionBodies:
                 f"node {node.name} (the torch.onnx exporter changed?). Pass functions=False."
             )
         template, fakes, key, names = [], [], [], []
-        for arg, value in _bind(info.target, fx_node.args, fx_node.kwargs):
-            kind = _tensor_kind(arg)
+        for arg, value in bind_call(info.target, fx_node.args, fx_node.kwargs):
+            kind = tensor_arity(arg)
             if kind == "list" and value is not None and any(v is None for v in value):
                 template.append(("O", [v is None for v in value]))
                 names += [f"{arg.name}_{i}" for i in range(len(value))]
                 for v in value:
                     if v is not None:
                         fakes.append(v.meta["val"])
-                        key.append((str(fakes[-1].dtype), [_static(s) for s in fakes[-1].shape]))
+                        key.append((str(fakes[-1].dtype), [static_size(s) for s in fakes[-1].shape]))
                     else:
                         key.append(None)
                 continue
@@ -64,7 +64,7 @@ class FunctionBodies:
             for v in vals:
                 fake = v.meta["val"]
                 fakes.append(fake)
-                key.append((str(fake.dtype), [_static(s) for s in fake.shape]))
+                key.append((str(fake.dtype), [static_size(s) for s in fake.shape]))
         digest = hashlib.sha1(repr((info.target.name(), key)).encode()).hexdigest()[:8]
         overload = f"{info.overload}_{digest}"
         ident = (info.namespace, node.op_type, overload)
@@ -122,7 +122,7 @@ class FunctionBodies:
             for f in fakes
         ]
         dynamic = [
-            {d: torch.export.Dim.AUTO for d, s in enumerate(f.shape) if _static(s) is None}
+            {d: torch.export.Dim.AUTO for d, s in enumerate(f.shape) if static_size(s) is None}
             or None
             for f in fakes
         ]
@@ -143,7 +143,7 @@ class FunctionBodies:
         placeholders = [n for n in body.graph.nodes if n.op == "placeholder"]
         for k, (f, p) in enumerate(zip(fakes, placeholders)):
             for d, s in enumerate(f.shape):
-                if _static(s) is None and _static(p.meta["val"].shape[d]) is not None:
+                if static_size(s) is None and static_size(p.meta["val"].shape[d]) is not None:
                     raise OnnxExportError(
                         f"torch_opaque.onnx: the {_part(info)} of {qual} specialises dimension {d} of "
                         f"tensor input {k}, which is dynamic where the op is called; its ONNX "

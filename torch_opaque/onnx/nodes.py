@@ -22,12 +22,12 @@ _TYPES = [f"tensor({t})" for t in (
 
 
 
-def _tensor_kind(arg) -> Optional[str]:
+def tensor_arity(arg) -> Optional[str]:
     """"one" / "list" for the schema types Tensor(?) / Tensor[] (or Tensor?[]), else None."""
     return {"tensor": "one", "tensors": "list"}.get(tensor_kind(arg))
 
 
-def _bind(target, args, kwargs) -> list:
+def bind_call(target, args, kwargs) -> list:
     """(schema argument, value) for every argument of a call. ``Name_fwd`` /
     ``Name_bwd`` calls (training programs) bind every argument by position,
     needs_input_grad included (an attribute of their ONNX nodes)."""
@@ -45,17 +45,17 @@ def _bind(target, args, kwargs) -> list:
     return out
 
 
-def _constants(target, args, kwargs) -> tuple:
+def call_constants(target, args, kwargs) -> tuple:
     """The non-tensor arguments of a call, as plain nested tuples (a call kind)."""
     def plain(v):
         return tuple(plain(x) for x in v) if isinstance(v, (list, tuple)) else v
 
     return tuple(
-        (a.name, plain(v)) for a, v in _bind(target, args, kwargs) if _tensor_kind(a) is None
+        (a.name, plain(v)) for a, v in bind_call(target, args, kwargs) if tensor_arity(a) is None
     )
 
 
-def _attribute(arg, value) -> Optional[ir.Attr]:
+def attribute(arg, value) -> Optional[ir.Attr]:
     """A non-tensor argument as a typed ONNX attribute (None: no attribute)."""
     t = arg.type.getElementType() if isinstance(arg.type, torch.OptionalType) else arg.type
     if value is None:
@@ -73,21 +73,21 @@ def _attribute(arg, value) -> Optional[ir.Attr]:
     return ir.AttrInt64(arg.name, int(value))  # int, SymInt, bool
 
 
-def _split(target, args, kwargs) -> tuple:
+def split_call(target, args, kwargs) -> tuple:
     """The call's (name, tensor) inputs and its attributes."""
     inputs, attrs = [], []
-    for arg, value in _bind(target, args, kwargs):
-        kind = _tensor_kind(arg)
+    for arg, value in bind_call(target, args, kwargs):
+        kind = tensor_arity(arg)
         if kind == "list":
             inputs += [(f"{arg.name}_{i}", v) for i, v in enumerate(value)]
         elif kind == "one":
             inputs.append((arg.name, value))
-        elif (attr := _attribute(arg, value)) is not None:
+        elif (attr := attribute(arg, value)) is not None:
             attrs.append(attr)
     return inputs, attrs
 
 
-def _call(domain: str, name: str, version: int, inputs: list, attrs: list, n_out: int):
+def record_node(domain: str, name: str, version: int, inputs: list, attrs: list, n_out: int):
     """Record one node ``domain::name`` in the graph torch.onnx is building."""
     schema = OpSchema(
         name, domain, version,
@@ -104,7 +104,7 @@ def _call(domain: str, name: str, version: int, inputs: list, attrs: list, n_out
     return op(*(v for _, v in inputs), **{a.name: a for a in attrs})
 
 
-def _static(size) -> Optional[int]:
+def static_size(size) -> Optional[int]:
     """The size as an int, None when it is symbolic."""
     return int(size) if is_concrete_int(size) else None
 

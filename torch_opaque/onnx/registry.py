@@ -18,13 +18,13 @@ _REGISTRY_USERS = [0]
 
 
 @contextlib.contextmanager
-def _reuse_torchlib_registry():
+def reuse_torchlib_registry():
     try:
         from torch.onnx._internal.exporter import _registration
 
         cls = _registration.ONNXRegistry
         original = cls.__dict__["from_torchlib"]
-        default_opset = _registration._constants.TORCHLIB_OPSET
+        default_opset = _registration.call_constants.TORCHLIB_OPSET
     except (ImportError, AttributeError, KeyError):
         yield
         return

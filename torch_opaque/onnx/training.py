@@ -14,7 +14,7 @@ domain, ``op_type`` ``Name_fwd`` / ``Name_bwd``, as the inference op does
   translation, but the FX graph indexes the residuals as a nested list
   (``getitem(getitem(fwd, n_out), j)``): the translation returns the outputs
   followed by a list of the residual values, a list that torch.onnx can name
-  (:class:`_ValueList`), so both ``getitem``s find their value;
+  (:class:`ValueList`), so both ``getitem``s find their value;
 * how many residuals a call has, and which gradients are None, is read from
   the FX graph before export (``meta["val"]``), per call kind (target and
   non-tensor arguments): a translation only sees the call's arguments;
