@@ -119,31 +119,7 @@ class OpaqueBackward final : public Node {
       std::optional<at::Tensor> g = result.get(edge_args_[e]);
       if (g.has_value()) out[e] = std::move(*g);
     }
-    if (at::GradMode::is_enabled()) guard_double_backward(stack_inputs(saved_list, grad_list), out);
     return out;
-  }
-
-  // Note [Double backward]
-  // `_bwd` is itself opaque and has no derivative. With create_graph=True the
-  // gradients it returns get an Error node, so differentiating them again
-  // fails with a message naming the op instead of silently giving zero.
-  // (Gradients are fresh tensors: kernels must not return their inputs.)
-  void guard_double_backward(const std::vector<at::Tensor>& inputs, variable_list& out) {
-    std::vector<at::Tensor> diff;
-    for (const auto& t : inputs) {
-      if (t.requires_grad()) diff.push_back(t);
-    }
-    if (diff.empty()) return;
-    auto err = c10::make_intrusive<torch::autograd::Error>(
-        "derivative for " + op_->definition().ns + "::" + op_->definition().name +
-            "_bwd is not implemented: double backward through an opaque op is not "
-            "supported. Differentiate once, or keep this Function unwrapped.",
-        torch::autograd::collect_next_edges(diff));
-    for (auto& g : out) {
-      if (g.defined() && torch::autograd::isDifferentiableType(g.scalar_type())) {
-        torch::autograd::set_history(g, err);
-      }
-    }
   }
 
   // Whether `_bwd` reaches its kernel untraced: no Python dispatch mode is
@@ -163,19 +139,6 @@ class OpaqueBackward final : public Node {
       }
     }
     return true;
-  }
-
-  static std::vector<at::Tensor> stack_inputs(
-      const c10::List<std::optional<at::Tensor>>& a,
-      const c10::List<std::optional<at::Tensor>>& b) {
-    std::vector<at::Tensor> v;
-    for (const auto& l : {a, b}) {
-      for (size_t i = 0; i < l.size(); ++i) {
-        std::optional<at::Tensor> t = l.get(i);
-        if (t.has_value() && t->defined()) v.push_back(*t);
-      }
-    }
-    return v;
   }
 
   void release_variables() override {
@@ -203,6 +166,12 @@ void AutogradKernel::operator()(const c10::OperatorHandle& handle,
   TORCH_INTERNAL_ASSERT(op, "opaque op used after its definition was destroyed");
   const size_t n_args = op->num_arguments();
   const size_t n_out = op->num_outputs();
+  // `_fwd`: its needs_input_grad argument is replaced by the flags below.
+  c10::IValue fwd_flags;
+  if (forward_op_) {
+    fwd_flags = std::move(stack->back());
+    stack->pop_back();
+  }
 
   // Which forward arguments are differentiable tensors that require grad.
   // Only top-level Tensor / Tensor? arguments are differentiable, exactly as
@@ -241,6 +210,7 @@ void AutogradKernel::operator()(const c10::OperatorHandle& handle,
     }
   }
   if (!any) {
+    if (forward_op_) stack->push_back(std::move(fwd_flags));
     at::AutoDispatchBelowADInplaceOrView guard;
     handle.redispatchBoxed(keys & c10::after_ADInplaceOrView_keyset, stack);
     return;
@@ -334,6 +304,7 @@ void AutogradKernel::operator()(const c10::OperatorHandle& handle,
         break;
     }
   }
+  if (forward_op_) stack->emplace_back(std::move(residuals));
 }
 
 } // namespace torch_opaque::detail

@@ -6,7 +6,6 @@
 #include <ATen/core/grad_mode.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <c10/util/Exception.h>
-#include <torch/csrc/autograd/autograd_not_implemented_fallback.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -216,15 +215,17 @@ std::shared_ptr<OpaqueOp> define_op(OpDefinition def) {
                               torch::CppFunction::makeFromBoxedFunctor(
                                   std::make_unique<ForwardKernel>(def.meta_forward))));
   }
-  // `_fwd` and `_bwd` are not differentiable themselves: differentiating
-  // through them (double backward) fails with a clear message instead of
-  // silently giving zero.
+  // `_fwd` called with inputs that require grad records the Function's
+  // backward node as `ns::Name` does; `_bwd` is differentiable through the
+  // operations of the user's backward (Note [Double backward]).
   lib->impl(with_overload(def.name + "_fwd", def.overload).c_str(),
             torch::dispatch(c10::DispatchKey::Autograd,
-                            torch::autograd::autogradNotImplementedFallback()));
+                            torch::CppFunction::makeFromBoxedFunctor(
+                                std::make_unique<detail::AutogradKernel>(weak, true))));
   lib->impl(with_overload(def.name + "_bwd", def.overload).c_str(),
             torch::dispatch(c10::DispatchKey::Autograd,
-                            torch::autograd::autogradNotImplementedFallback()));
+                            torch::CppFunction::makeFromBoxedFunctor(
+                                std::make_unique<detail::BackwardAutogradKernel>())));
   op->keep_alive(std::move(lib));
   all_ops().push_back(op);
   return op;

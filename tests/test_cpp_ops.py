@@ -52,6 +52,17 @@ def test_schemas_and_eager_gradients():
     torch.testing.assert_close(values, x.detach().max(-1).values)
 
 
+def test_backward_written_with_aten_ops_is_differentiable():
+    """Double backward through C++ backwards: they are written with ATen ops,
+    which record their derivatives under create_graph=True."""
+    x = torch.randn(3, 5, dtype=torch.double, requires_grad=True)
+    assert torch.autograd.gradgradcheck(lambda t: torch.ops.example.scaled_sin(t, 1.5), (x,))
+    assert torch.autograd.gradgradcheck(lambda t: torch.ops.example.top_value(t, 1)[0], (x,))
+    (g,) = torch.autograd.grad(torch.ops.example.scaled_sin(x, 2.0).sum(), x, create_graph=True)
+    (h,) = torch.autograd.grad(g.sum(), x)
+    torch.testing.assert_close(h, -2.0 * x.detach().sin())
+
+
 @pytest.mark.parametrize("strict", [False, True])
 def test_export_keeps_one_node_each_and_trains(strict):
     torch.manual_seed(0)

@@ -181,6 +181,17 @@ TEST(CppApi, ForwardValuesAndGradientsMatchFiniteDifferences) {
   }
 }
 
+TEST(CppApi, BackwardWrittenWithAtenOpsIsDifferentiable) {
+  // d2/dx2 of sum(sin(x) * 1.5) through the op's backward (create_graph=true).
+  auto x = torch::randn({5}, torch::kDouble).requires_grad_();
+  auto y = call("opaque_cpp_test::scaled_sin", {x, 1.5})[0];
+  auto g = torch::autograd::grad({y.sum()}, {x}, {}, /*retain_graph=*/true,
+                                 /*create_graph=*/true)[0];
+  ASSERT_TRUE(g.requires_grad());
+  auto h = torch::autograd::grad({g.sum()}, {x})[0];
+  EXPECT_TRUE(torch::allclose(h, -1.5 * x.detach().sin()));
+}
+
 TEST(CppApi, TwoOutputsNonDifferentiableSavedStateAndNeedsInputGrad) {
   auto x = torch::randn({3, 4}, torch::kDouble).requires_grad_();
   auto w = torch::randn({3}, torch::kDouble);

@@ -234,14 +234,6 @@ class Square(torch.autograd.Function):
         return 2 * x * g
 
 
-def test_double_backward_is_refused_clearly():
-    x = torch.randn(3, requires_grad=True)
-    (g,) = torch.autograd.grad(Square.apply(x).sum(), x, create_graph=True)
-    torch.testing.assert_close(g, 2 * x.detach())
-    with pytest.raises(RuntimeError, match="derivative for opaque::Square_bwd is not implemented"):
-        g.sum().backward()
-
-
 def test_forward_mode_ad_is_refused_clearly():
     import torch.autograd.forward_ad as fwAD
 

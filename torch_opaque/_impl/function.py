@@ -37,7 +37,7 @@ from ..errors import FakeForwardError, SchemaError
 from ..hooks import apply as _apply_hook
 from .kernels import BackwardRunner, FakeRunner, InferenceFake, Runner, check_tensor_outputs
 from .kernels import make_backward_fake, modified_input_error
-from .schema import kinds_key, returns_from_hint, specs_from_hints
+from .schema import kinds_key, returns_from_hint, specs_from_hints, type_hints
 from .schema import schema_arguments, specs_from_values
 from .tracing import real_shaped
 
@@ -67,6 +67,16 @@ def function_for_op(namespace: str, name: str) -> Optional["OpaqueFunction"]:
 
 # Stock autograd.Function.apply (Note [Apply interception] in hooks/apply.py).
 _ORIGINAL_APPLY = _apply_hook.ORIGINAL_APPLY
+
+
+def _register_fake(lib, op, kernel, source: str) -> None:
+    """``torch.library.register_fake(op, kernel, lib=lib)`` without its caller
+    look-up: that one reads the caller's source file (inspect.getframeinfo) to
+    name the registration, a third of the cost of wrapping a class
+    (benchmarks/bench_registration.py). Same registry entry, same Meta kernel,
+    same handle kept by ``lib`` (released with it)."""
+    entry = torch._library.simple_registry.singleton.find(op._name)
+    lib._registration_handles.append(entry.fake_impl.register(kernel, source, lib=lib))
 
 
 def default_name(cls: type) -> str:
@@ -119,9 +129,10 @@ class Overload:
         self.op = getattr(getattr(ns, fn.name), self.name)
         self.fwd_op = getattr(getattr(ns, fn.name + "_fwd"), self.name)
         self.bwd_op = getattr(getattr(ns, fn.name + "_bwd"), self.name)
-        torch.library.register_fake(self.op, InferenceFake(fake_runner), lib=fn.lib)
-        torch.library.register_fake(self.fwd_op, fake_runner, lib=fn.lib)
-        torch.library.register_fake(self.bwd_op, make_backward_fake(bwd, name), lib=fn.lib)
+        source = f"torch_opaque wrap of {name}"
+        _register_fake(fn.lib, self.op, InferenceFake(fake_runner), source)
+        _register_fake(fn.lib, self.fwd_op, fake_runner, source)
+        _register_fake(fn.lib, self.bwd_op, make_backward_fake(bwd, name), source)
 
     def __call__(self, args):
         out = self.op(*args)
@@ -183,11 +194,14 @@ class OpaqueFunction:
         self.defaults = defaults
         self.signature = inspect.Signature(params)
         self.lib = torch.library.Library(namespace, "FRAGMENT")
+        hints = type_hints(cls.forward)
         self.hint_specs = (
             None
-            if self.varargs
-            else specs_from_hints(cls.forward, names, defaults, self.display_name)
+            if self.varargs or hints is None
+            else specs_from_hints(cls.forward, names, defaults, self.display_name, hints)
         )
+        # (number of outputs, returns a tuple) from forward's return hint, or None.
+        self.returns_hint = None if hints is None else returns_from_hint(cls.forward, hints)
         self.overloads: dict = {}  # overload name -> Overload
         self._by_kinds: dict = {}  # kinds_key -> Overload
         self._single: Optional[Overload] = None  # set when the schema comes from hints
@@ -273,7 +287,7 @@ class OpaqueFunction:
             if outputs is not None:
                 n_out, returns_tuple = _output_structure(self.display_name, outputs)
             else:
-                n_out, returns_tuple = returns_from_hint(self.cls.forward) or self._probe(
+                n_out, returns_tuple = self.returns_hint or self._probe(
                     specs, values
                 )
             return self.define_overload(overload, specs, n_out, returns_tuple, values)
@@ -307,7 +321,7 @@ class OpaqueFunction:
         call of each kind of arguments (None here)."""
         if self.hint_specs is None:
             return None
-        returns = returns_from_hint(self.cls.forward)
+        returns = self.returns_hint
         if returns is None:
             return None
         return self.define_overload("", self.hint_specs, *returns)
@@ -323,7 +337,7 @@ class OpaqueFunction:
         (same RNG draws, same side effects). Traced calls (fake tensors,
         dispatch modes) and forwards with a return hint do not run it here.
         """
-        if returns_from_hint(self.cls.forward) is not None or _traced(values):
+        if self.returns_hint is not None or _traced(values):
             return self.overload_for(values), None
         needs = tuple(
             torch.is_grad_enabled() and isinstance(v, torch.Tensor) and v.requires_grad
