@@ -13,6 +13,9 @@ Kinds (issue #11):
   ctx.k      ctx.k = k (a float kept for the backward)
   newfloat   ctx.k = k with a different float on every call
   ScaledTanh the README's example (type hints, ctx.scale)
+  stock      an unwrapped Function (ctx.k) once torch_opaque reroutes
+             Function.apply (Note [Apply interception]): variant ``rerouted``
+             (its Foo.apply) against ``original``, torch's own apply code
 
 Method: one "step" is one call (fwd+bwd: on a leaf that requires grad, then one
 backward through the engine directly, as torch.autograd.grad adds ~55 us of
@@ -38,6 +41,7 @@ import argparse
 import itertools
 import statistics
 import time
+import types
 
 import torch
 
@@ -126,6 +130,7 @@ KINDS = {
     "ctx.k": (_fwd_k, _bwd_k, "k", False),
     "newfloat": (_fwd_k, _bwd_k, "k", True),
     "ScaledTanh": (_fwd_tanh, _bwd_tanh, "tanh", False),
+    "stock": (_fwd_k, _bwd_k, None, False),
 }
 
 
@@ -133,6 +138,12 @@ def variants(kind: str, x: torch.Tensor) -> dict:
     fwd, bwd, body, _ = KINDS[kind]
     tag = f"{kind.replace('.', '_')}_{x.numel()}"
     original = _function(f"Orig_{tag}", fwd, bwd)
+    if kind == "stock":
+        from torch_opaque._impl.function import ensure_routing
+        from torch_opaque.hooks.apply import ORIGINAL_APPLY
+
+        ensure_routing()  # what wrapping any class does
+        return {"original": types.MethodType(ORIGINAL_APPLY, original), "rerouted": original.apply}
     wrapped = torch_opaque.wrap(_function(f"Wrapped_{tag}", fwd, bwd), name=f"Bench_{tag}")
     wrapped.apply(x, 0.5)  # defines the overload on first use
     (overload,) = torch_opaque.lookup(wrapped).overloads.values()
@@ -249,6 +260,11 @@ def print_targets(results: dict) -> None:
     """Issue #11's targets, fwd+bwd and fwd-only alike."""
     print(f"{'target (median of the per-round ratios)':<58}{'ratio':>8}  verdict")
     for (size, kind, mode), res in results.items():
+        if kind == "stock":
+            tag = f"{size} {kind} {mode}: rerouted <= 1.02x torch's apply"
+            value = ratio(res, "rerouted", "original")[0]
+            print(f"{tag:<58}{value:>7.2f}x  {'PASS' if value <= 1.02 else 'MISS'}")
+            continue
         w, t = ratio(res, "wrapped", "original")[0], ratio(res, "torch.ops", "original")[0]
         if size <= 16:
             wc, tc = ratio(res, "wrapped", "custom_op")[0], ratio(res, "torch.ops", "custom_op")[0]

@@ -1,4 +1,5 @@
 #include "autograd_kernel.h"
+#include "forward_ad.h"
 
 #include <ATen/core/List.h>
 #include <ATen/core/stack.h>
@@ -31,15 +32,17 @@ using torch::autograd::variable_list;
 // One node per op call. It holds the saved tensors as SavedVariables (so the
 // usual "modified by an inplace operation" and "backward through the graph a
 // second time" checks apply), the non-tensor record, and, per next edge, the
-// forward argument it differentiates. apply() calls `ns::Name_bwd` through the
+// `_bwd` result slot it takes its gradient from (the forward argument, or one
+// element of a Tensor[] argument: Note [Tensor-list gradients]). apply() calls `ns::Name_bwd` through the
 // dispatcher, so a traced backward shows it as one node.
 class OpaqueBackward final : public Node {
  public:
   OpaqueBackward(std::shared_ptr<OpaqueOp> op, std::vector<bool> needs_input_grad,
-                 std::vector<size_t> edge_args, ForwardRecord record)
+                 std::vector<size_t> edge_args, size_t num_slots, ForwardRecord record)
       : op_(std::move(op)),
         needs_input_grad_(std::move(needs_input_grad)),
         edge_args_(std::move(edge_args)),
+        num_slots_(num_slots),
         materialize_grads_(record.materialize_grads),
         state_(std::move(record.state)),
         state_ints_(std::move(record.state_ints)),
@@ -110,10 +113,11 @@ class OpaqueBackward final : public Node {
     }
     TORCH_INTERNAL_ASSERT(stack.size() == 1);
     auto result = stack.back().toOptionalTensorList();
-    TORCH_CHECK(result.size() == op_->num_arguments(), op_->qualified_name(),
+    TORCH_CHECK(result.size() == num_slots_, op_->qualified_name(),
                 ": the backward returned ", result.size(),
-                " gradients, but the forward takes ", op_->num_arguments(),
-                " arguments. Return one gradient (or None) per forward argument.");
+                " gradients, but the forward takes ", num_slots_,
+                num_slots_ == op_->num_arguments() ? " arguments" : " arguments and list elements",
+                ". Return one gradient (or None) per forward argument.");
     variable_list out(edge_args_.size());
     for (size_t e = 0; e < edge_args_.size(); ++e) {
       std::optional<at::Tensor> g = result.get(edge_args_[e]);
@@ -130,7 +134,8 @@ class OpaqueBackward final : public Node {
     const c10::DispatchKeySet traced(
         {c10::DispatchKey::Python, c10::DispatchKey::PythonTLSSnapshot,
          c10::DispatchKey::Functionalize, c10::DispatchKey::FuncTorchDynamicLayerFrontMode,
-         c10::DispatchKey::FuncTorchBatched, c10::DispatchKey::FuncTorchGradWrapper});
+         c10::DispatchKey::FuncTorchBatched, c10::DispatchKey::FuncTorchGradWrapper,
+         c10::DispatchKey::Batched});
     if (!(c10::impl::tls_local_dispatch_key_set().included_ & traced).empty()) return false;
     for (const auto& l : {a, b}) {
       for (size_t i = 0; i < l.size(); ++i) {
@@ -149,7 +154,8 @@ class OpaqueBackward final : public Node {
  private:
   std::shared_ptr<OpaqueOp> op_;
   std::vector<bool> needs_input_grad_;
-  std::vector<size_t> edge_args_;
+  std::vector<size_t> edge_args_;  // per next edge: its slot in `_bwd`'s result
+  size_t num_slots_;
   std::vector<SavedVariable> saved_;
   bool materialize_grads_;
   std::string state_;
@@ -164,6 +170,16 @@ void AutogradKernel::operator()(const c10::OperatorHandle& handle,
                                 c10::DispatchKeySet keys, torch::jit::Stack* stack) {
   std::shared_ptr<OpaqueOp> op = op_.lock();
   TORCH_INTERNAL_ASSERT(op, "opaque op used after its definition was destroyed");
+  if (has_forward_grads(*stack, op->num_arguments())) {
+    run_with_forward_grads(*op, stack, [&](torch::jit::Stack* s) { reverse(op, handle, keys, s); });
+    return;
+  }
+  reverse(op, handle, keys, stack);
+}
+
+void AutogradKernel::reverse(const std::shared_ptr<OpaqueOp>& op,
+                             const c10::OperatorHandle& handle, c10::DispatchKeySet keys,
+                             torch::jit::Stack* stack) {
   const size_t n_args = op->num_arguments();
   const size_t n_out = op->num_outputs();
   // `_fwd`: its needs_input_grad argument is replaced by the flags below.
@@ -174,38 +190,46 @@ void AutogradKernel::operator()(const c10::OperatorHandle& handle,
   }
 
   // Which forward arguments are differentiable tensors that require grad.
-  // Only top-level Tensor / Tensor? arguments are differentiable, exactly as
-  // for torch.autograd.Function (tensors inside lists are not tracked).
+  // Top-level Tensor / Tensor? arguments are differentiable, as for
+  // torch.autograd.Function; the elements of Tensor[] arguments too when the
+  // op differentiates lists (C++ ops, as torch::autograd::Function), each
+  // with a `_bwd` result slot of its own (Note [Tensor-list gradients]).
   std::vector<bool> needs(n_args, false);
-  std::vector<size_t> edge_args;
+  std::vector<size_t> edge_args;  // per edge: its `_bwd` result slot
+  c10::SmallVector<at::Tensor, 8> edge_tensors;
+  size_t n_slots = 0;
   bool any = false;
   {
     auto args = torch::jit::last(*stack, n_args);
     const bool grad_on = at::GradMode::is_enabled();
+    const bool lists = op->definition().differentiate_lists;
+    auto add_edge = [&](size_t i, const at::Tensor& t) {
+      edge_args.push_back(n_slots);
+      edge_tensors.push_back(t);
+      if (grad_on && t.defined() && t.requires_grad()) {
+        needs[i] = true;
+        any = true;
+      }
+    };
     for (size_t i = 0; i < n_args; ++i) {
       if (args[i].isTensor()) {
-        edge_args.push_back(i);
-        const at::Tensor& t = args[i].toTensor();
-        TORCH_CHECK(!t.defined() || !t._fw_grad(/*level=*/0).defined(),
-                    op->qualified_name(),
-                    ": forward-mode AD (dual tensors, jvp) through an opaque op is not "
-                    "supported; opaque ops carry reverse-mode gradients only. Compute the "
-                    "jvp with reverse mode (torch.func.vjp) or keep this Function unwrapped.");
-        if (grad_on && t.defined() && t.requires_grad()) {
-          needs[i] = true;
-          any = true;
-        }
-      } else if (grad_on && args[i].isTensorList() &&
-                 op->definition().refuse_grad_through_lists) {
+        add_edge(i, args[i].toTensor());
+        ++n_slots;
+      } else if (lists && args[i].isTensorList()) {
         for (const at::Tensor& t : args[i].toTensorList().vec()) {
-          TORCH_CHECK(!t.defined() || !t.requires_grad(), op->qualified_name(),
-                      ": argument '", handle.schema().arguments()[i].name(),
-                      "' (Tensor[]) holds tensors that require grad, but gradients of "
-                      "tensor-list elements are not supported by the C++ API yet, and "
-                      "dropping them silently would train the wrong model. Pass each "
-                      "differentiable tensor as its own at::Tensor argument, or detach "
-                      "the list elements if they need no gradient.");
+          // Top-level tangents take the forward-AD path (forward_ad.cpp); a
+          // list element's would be dropped, so it is refused as stock
+          // refuses a Function without jvp.
+          TORCH_CHECK_NOT_IMPLEMENTED(
+              !t.defined() || !t._fw_grad(/*level=*/0).defined(), op->qualified_name(),
+              ": argument '", handle.schema().arguments()[i].name(),
+              "' (Tensor[]) holds dual tensors, but forward-mode AD through tensor-list "
+              "elements is not supported; compute the jvp with reverse mode (torch.func.vjp).");
+          add_edge(i, t);
+          ++n_slots;
         }
+      } else {
+        ++n_slots;
       }
     }
   }
@@ -236,26 +260,31 @@ void AutogradKernel::operator()(const c10::OperatorHandle& handle,
   TORCH_INTERNAL_ASSERT(stack->size() >= n_out + 1);
   c10::List<at::Tensor> residuals = stack->back().toTensorList();
   stack->pop_back();
-  auto out_begin = stack->end() - n_out;
-
-  c10::SmallVector<at::Tensor, 8> edge_tensors;
-  for (size_t i : edge_args) edge_tensors.push_back(inputs[i].toTensor());
+  // The outputs, with the elements of a Tensor[] output one by one: each is
+  // an input of the backward node (saved-output indices count them so too).
+  c10::SmallVector<at::Tensor, 8> outputs;
+  for (auto it = stack->end() - n_out; it != stack->end(); ++it) {
+    if (it->isTensorList()) {
+      for (const at::Tensor& t : it->toTensorList().vec()) outputs.push_back(t);
+    } else {
+      TORCH_CHECK(it->isTensor(), op->qualified_name(), ": output ",
+                  it - (stack->end() - n_out), " is not a Tensor.");
+      outputs.push_back(it->toTensor());
+    }
+  }
 
   std::vector<SavedRef> saved_refs = std::move(record->saved);
   std::vector<bool> non_diff = std::move(record->non_differentiable);
-  TORCH_CHECK(non_diff.empty() || non_diff.size() == n_out, op->qualified_name(),
-              ": non_differentiable has ", non_diff.size(), " entries for ", n_out,
+  TORCH_CHECK(non_diff.empty() || non_diff.size() == outputs.size(), op->qualified_name(),
+              ": non_differentiable has ", non_diff.size(), " entries for ", outputs.size(),
               " outputs.");
-  auto node = c10::make_intrusive<OpaqueBackward>(op, std::move(needs),
-                                                  std::move(edge_args), std::move(*record));
+  auto node = c10::make_intrusive<OpaqueBackward>(op, std::move(needs), std::move(edge_args),
+                                                  n_slots, std::move(*record));
   node->set_next_edges(
       torch::autograd::collect_next_edges(at::ArrayRef<at::Tensor>(edge_tensors)));
 
-  for (size_t k = 0; k < n_out; ++k) {
-    c10::IValue& v = *(out_begin + k);
-    TORCH_CHECK(v.isTensor(), op->qualified_name(), ": output ", k,
-                " is not a Tensor.");
-    const at::Tensor& out = v.toTensor();
+  for (size_t k = 0; k < outputs.size(); ++k) {
+    const at::Tensor& out = outputs[k];
     const bool diff = out.defined() && (non_diff.empty() || !non_diff[k]) &&
         torch::autograd::isDifferentiableType(out.scalar_type());
     if (diff) {
@@ -290,10 +319,10 @@ void AutogradKernel::operator()(const c10::OperatorHandle& handle,
                            /*is_output=*/false);
         break;
       case SavedKind::Output:
-        TORCH_CHECK(ref.index >= 0 && static_cast<size_t>(ref.index) < n_out,
+        TORCH_CHECK(ref.index >= 0 && static_cast<size_t>(ref.index) < outputs.size(),
                     op->qualified_name(), ": saved output ", ref.index,
                     " does not exist.");
-        saved.emplace_back((out_begin + ref.index)->toTensor(), /*is_output=*/true);
+        saved.emplace_back(outputs[ref.index], /*is_output=*/true);
         break;
       case SavedKind::Residual:
         TORCH_CHECK(ref.index >= 0 &&

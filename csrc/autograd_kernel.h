@@ -23,6 +23,9 @@ class AutogradKernel final : public c10::OperatorKernel {
                   torch::jit::Stack* stack);
 
  private:
+  // The reverse-mode call: runs `_fwd` and records the backward node.
+  void reverse(const std::shared_ptr<OpaqueOp>& op, const c10::OperatorHandle& handle,
+               c10::DispatchKeySet keys, torch::jit::Stack* stack);
   // The op owns its registrations, which own this kernel: a weak pointer
   // avoids a reference cycle.
   std::weak_ptr<OpaqueOp> op_;

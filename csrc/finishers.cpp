@@ -24,9 +24,10 @@ bool aliases_any(const at::Tensor& t, c10::ArrayRef<at::Tensor> others) {
 
 void finish_forward(const std::string& op_name, Context& ctx,
                     c10::ArrayRef<c10::IValue> inputs, std::vector<at::Tensor> outputs,
-                    bool recording, torch::jit::Stack* stack) {
+                    bool recording, torch::jit::Stack* stack, bool list_output) {
   ForwardOutcome outcome;
   outcome.outputs = std::move(outputs);
+  outcome.list_output = list_output;
   if (recording) {
     outcome.saved = ctx.saved_tensors();
     outcome.non_differentiable = ctx.non_differentiable();
@@ -88,7 +89,11 @@ void finish_forward(const std::string& op_name, c10::ArrayRef<c10::IValue> input
       outputs[k] = outputs[k].clone();
     }
   }
-  for (const auto& o : outputs) stack->emplace_back(o);
+  if (outcome.list_output) {
+    stack->emplace_back(c10::List<at::Tensor>(outputs));
+  } else {
+    for (const auto& o : outputs) stack->emplace_back(o);
+  }
   c10::List<at::Tensor> residuals;
   if (!recording) {
     stack->emplace_back(std::move(residuals));
@@ -190,6 +195,73 @@ void finish_backward(const std::string& op_name, const std::vector<bool>& tensor
     out.push_back(g);
   }
   stack->emplace_back(std::move(out));
+}
+
+namespace {
+// Not a valid Python or C++ identifier: no user key can collide with it.
+constexpr const char* kListSizesKey = "torch_opaque:list_sizes";
+} // namespace
+
+void record_list_sizes(Context& ctx, c10::ArrayRef<c10::IValue> inputs) {
+  std::vector<int64_t> sizes;
+  for (const auto& v : inputs) {
+    if (v.isTensorList()) sizes.push_back(static_cast<int64_t>(v.toTensorList().size()));
+  }
+  ctx.saved_data[kListSizesKey] = std::move(sizes);
+}
+
+std::vector<int64_t> take_list_sizes(Context& ctx) {
+  auto it = ctx.saved_data.find(kListSizesKey);
+  if (it == ctx.saved_data.end()) return {};
+  std::vector<int64_t> sizes = it->second.toIntVector();
+  ctx.saved_data.erase(it);
+  return sizes;
+}
+
+std::vector<at::Tensor> flatten_gradients(const std::string& op_name,
+                                          const std::vector<bool>& list_args,
+                                          const std::vector<int64_t>& list_sizes,
+                                          std::vector<Gradient> grads,
+                                          std::vector<bool>* tensor_args) {
+  const size_t n = list_args.size();
+  for (size_t i = n; i < grads.size(); ++i) {
+    TORCH_CHECK(grads[i].empty(), op_name, ": backward returned ", grads.size(),
+                " gradients for ", n, " forward arguments.");
+  }
+  if (grads.size() > n) grads.resize(n);
+  TORCH_CHECK(grads.size() == n, op_name, ": backward returned ", grads.size(),
+              " gradients, but forward takes ", n,
+              " arguments. Return one gradient (an undefined at::Tensor() for none) per "
+              "forward argument.");
+  std::vector<at::Tensor> flat;
+  std::vector<bool> slots;
+  size_t list = 0;
+  for (size_t i = 0; i < n; ++i) {
+    Gradient& g = grads[i];
+    if (!list_args[i]) {
+      TORCH_CHECK(!g.is_list(), op_name, ": backward returned a list of gradients for argument ",
+                  i, ", which is not a Tensor[]. Return one at::Tensor there.");
+      flat.push_back(g.tensor());
+      slots.push_back((*tensor_args)[i]);
+      continue;
+    }
+    TORCH_INTERNAL_ASSERT(list < list_sizes.size(), op_name, ": no recorded list sizes");
+    const size_t len = static_cast<size_t>(list_sizes[list++]);
+    TORCH_CHECK(g.is_list() || !g.tensor().defined(), op_name,
+                ": backward returned one tensor for argument ", i,
+                ", a Tensor[] of ", len, " elements. Return a std::vector<at::Tensor> with one "
+                "gradient per element (undefined where an element gets none).");
+    TORCH_CHECK(g.list().empty() || g.list().size() == len, op_name, ": backward returned ",
+                g.list().size(), " gradients for argument ", i, ", a Tensor[] of ", len,
+                " elements. Return one gradient per element (undefined where an element gets "
+                "none), or an empty list for none at all.");
+    for (size_t j = 0; j < len; ++j) {
+      flat.push_back(g.list().empty() ? at::Tensor() : g.list()[j]);
+      slots.push_back(true);
+    }
+  }
+  *tensor_args = std::move(slots);
+  return flat;
 }
 
 } // namespace torch_opaque::detail

@@ -1,10 +1,13 @@
+#include <torch_opaque/fake_checks.h>
 #include <torch_opaque/opaque_op.h>
 
 #include "autograd_kernel.h"
 
 #include <ATen/core/op_registration/op_registration.h>
+#include <ATen/ops/empty_strided.h>
 #include <ATen/core/grad_mode.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
+#include <c10/core/impl/TorchDispatchModeTLS.h>
 #include <c10/util/Exception.h>
 #include <torch/library.h>
 
@@ -34,16 +37,108 @@ void call_forward(const BoxedKernel& fn, const c10::FunctionSchema& fwd_schema,
   take_needs_input_grad();  // in case the kernel did not take them
 }
 
+// Note [Debug mode] (fake_checks.h): whether the values are plain tensors
+// (not meta, fake or functional ones, no dispatch mode active).
+bool plain_values(c10::ArrayRef<c10::IValue> values) {
+  if (c10::impl::TorchDispatchModeTLS::stack_len() > 0) return false;
+  const c10::DispatchKeySet traced({c10::DispatchKey::Python, c10::DispatchKey::Functionalize,
+                                    c10::DispatchKey::FuncTorchBatched});
+  auto plain = [&](const at::Tensor& t) {
+    return !t.defined() || (!t.is_meta() && !t.key_set().has_any(traced));
+  };
+  for (const auto& v : values) {
+    if (v.isTensor() && !plain(v.toTensor())) return false;
+    if (v.isTensorList()) {
+      for (const at::Tensor& t : v.toTensorList().vec()) {
+        if (!plain(t)) return false;
+      }
+    }
+  }
+  return true;
+}
+
+at::Tensor meta_copy(const at::Tensor& t) {
+  if (!t.defined()) return t;
+  return at::empty_strided(t.sizes(), t.strides(), t.options().device(at::kMeta));
+}
+
+c10::IValue meta_copy(const c10::IValue& v) {
+  if (v.isTensor()) return meta_copy(v.toTensor());
+  if (v.isTensorList()) {
+    c10::List<at::Tensor> out;
+    for (const at::Tensor& t : v.toTensorList().vec()) out.push_back(meta_copy(t));
+    return out;
+  }
+  return v;
+}
+
+std::vector<at::Tensor> output_tensors(const c10::IValue& v) {
+  if (v.isTensorList()) return v.toTensorList().vec();
+  return {v.toTensor()};
+}
+
+std::string describe(const at::Tensor& t) {
+  std::ostringstream ss;
+  ss << t.sizes() << " (" << t.scalar_type() << ")";
+  return ss.str();
+}
+
+// `_fwd`'s kernel `fn`; in debug mode, on plain tensors, also runs `fake` on
+// meta copies of the inputs and compares the outputs.
+void call_forward_checked(const std::string& op_name, const BoxedKernel& fn,
+                          const BoxedKernel& fake, const c10::FunctionSchema& fwd_schema,
+                          torch::jit::Stack* stack) {
+  const size_t n_args = fwd_schema.arguments().size() - 1;  // without needs_input_grad
+  if (!fake || !debug_enabled() || !plain_values(torch::jit::last(*stack, n_args + 1))) {
+    call_forward(fn, fwd_schema, stack);
+    return;
+  }
+  torch::jit::Stack meta;
+  for (const auto& v : torch::jit::last(*stack, n_args + 1).slice(0, n_args)) {
+    meta.push_back(meta_copy(v));
+  }
+  meta.emplace_back();  // needs_input_grad=None: the fake records nothing
+  call_forward(fn, fwd_schema, stack);
+  try {
+    detail::FakeCheckScope scope;
+    call_forward(fake, fwd_schema, &meta);
+  } catch (const detail::DynamicSizeInCheck&) {
+    return;  // a data-dependent size: nothing to compare it with
+  }
+  const size_t n_out = fwd_schema.returns().size() - 1;  // without residuals
+  auto real = torch::jit::last(*stack, n_out + 1);
+  for (size_t k = 0; k < n_out; ++k) {
+    std::vector<at::Tensor> r = output_tensors(real[k]), f = output_tensors(meta[k]);
+    TORCH_CHECK(r.size() == f.size(), "torch_opaque: ", op_name, ": output ", k,
+                " of the forward is a list of ", r.size(), " tensors, but the op's fake gives ",
+                f.size(), " for the same inputs (debug check). Fix the fake.");
+    for (size_t j = 0; j < r.size(); ++j) {
+      TORCH_CHECK(r[j].sizes() == f[j].sizes() && r[j].scalar_type() == f[j].scalar_type(),
+                  "torch_opaque: ", op_name, ": output ", k,
+                  r.size() > 1 || real[k].isTensorList() ? "[" + std::to_string(j) + "]" : "",
+                  " of the forward is ", describe(r[j]), ", but the op's fake gives ",
+                  describe(f[j]),
+                  " for the same inputs (debug check). Traced programs (torch.export, "
+                  "torch.compile) are built from the fake's result, so they would compute "
+                  "with wrong sizes: make the fake compute the forward's, and give a size "
+                  "that depends on the data with ctx.new_dynamic_size().");
+    }
+  }
+}
+
 class ForwardKernel final : public c10::OperatorKernel {
  public:
-  explicit ForwardKernel(BoxedKernel fn) : fn_(std::move(fn)) {}
+  // `fake`: the op's fake, for the debug check (Note [Debug mode]).
+  explicit ForwardKernel(BoxedKernel fn, BoxedKernel fake = nullptr, std::string op_name = "")
+      : fn_(std::move(fn)), fake_(std::move(fake)), op_name_(std::move(op_name)) {}
   void operator()(const c10::OperatorHandle& op, c10::DispatchKeySet,
                   torch::jit::Stack* stack) {
-    call_forward(fn_, op.schema(), stack);
+    call_forward_checked(op_name_, fn_, fake_, op.schema(), stack);
   }
 
  private:
-  BoxedKernel fn_;
+  BoxedKernel fn_, fake_;
+  std::string op_name_;
 };
 
 // Runs a user kernel for the schema of the op it is registered on.
@@ -72,7 +167,12 @@ class InferenceKernel final : public c10::OperatorKernel {
     at::AutoGradMode no_grad(false);  // forwards run without grad, as in autograd.Function
     const auto& def = op->definition();
     stack->emplace_back();  // needs_input_grad=None: nothing is recorded
-    call_forward(meta_ ? def.meta_forward : def.forward, op->forward_op().schema(), stack);
+    if (meta_) {
+      call_forward(def.meta_forward, op->forward_op().schema(), stack);
+    } else {
+      call_forward_checked(op->qualified_name(), def.forward, def.meta_forward,
+                           op->forward_op().schema(), stack);
+    }
     stack->pop_back(); // residuals
   }
 
@@ -200,7 +300,8 @@ std::shared_ptr<OpaqueOp> define_op(OpDefinition def) {
   lib->impl(with_overload(def.name + "_fwd", def.overload).c_str(),
             torch::dispatch(c10::DispatchKey::CompositeExplicitAutograd,
                             torch::CppFunction::makeFromBoxedFunctor(
-                                std::make_unique<ForwardKernel>(def.forward))));
+                                std::make_unique<ForwardKernel>(def.forward, def.meta_forward,
+                                                                qual))));
   lib->impl(with_overload(def.name + "_bwd", def.overload).c_str(),
             torch::dispatch(c10::DispatchKey::CompositeExplicitAutograd,
                             torch::CppFunction::makeFromBoxedFunctor(

@@ -1,5 +1,21 @@
+import pathlib
+
 import pytest
 import torch
+
+# examples/cpp's ops library, built by scripts/dev.sh against the installed
+# CMake package: example::scaled_sin, top_value, weighted_sum, power_means,
+# threshold_select, scaled_arange.
+EXAMPLE_OPS_LIB = pathlib.Path(__file__).resolve().parents[1] / "build" / "examples_cpp" / "libexample_ops.so"
+
+
+@pytest.fixture(scope="module")
+def example_ops():
+    """Loads EXAMPLE_OPS_LIB (once per process; later loads are no-ops)."""
+    import torch_opaque
+
+    assert EXAMPLE_OPS_LIB.exists(), f"{EXAMPLE_OPS_LIB} is missing: run scripts/dev.sh build first"
+    torch_opaque.load_library(EXAMPLE_OPS_LIB)
 
 
 def op_calls(graph_module_or_graph, fn_name: str, namespace: str = "opaque") -> list:

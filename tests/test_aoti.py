@@ -89,11 +89,12 @@ def test_package_calls_the_ops_through_the_proxy_executor(pipeline):
         assert len(wrapper) == 1 and len(nodes) == 1, names
         cpp = z.read(wrapper[0]).decode()
         extern_nodes = z.read(nodes[0]).decode()
-    # One opaque call each (not decomposed into aten.sin / aten.max), made at
+    # One opaque call each (not decomposed into aten.sin / aten.max; a Tensor[]
+    # argument and a Tensor[] return included), made at
     # run time by the proxy executor from the serialized extern kernel nodes.
-    assert cpp.count("aoti_torch_proxy_executor_call_function(") == 2
-    assert extern_nodes.count('"target": "example::scaled_sin"') == 1
-    assert extern_nodes.count('"target": "example::top_value"') == 1
+    assert cpp.count("aoti_torch_proxy_executor_call_function(") == 4
+    for op in ("scaled_sin", "top_value", "weighted_sum", "power_means"):
+        assert extern_nodes.count(f'"target": "example::{op}"') == 1, op
 
 
 def test_cpp_runner_matches_eager(pipeline):

@@ -1,7 +1,9 @@
 """Ops written in C++ with torch_opaque/op.h (examples/cpp), used from Python.
 
 scripts/dev.sh builds examples/cpp against the installed CMake package before
-the tests run; the library registers example::scaled_sin and example::top_value.
+the tests run; the library registers example::scaled_sin, example::top_value and
+example::scaled_arange (the tensor-list and data-dependent ops have files of
+their own).
 """
 
 import pathlib
@@ -13,13 +15,9 @@ import torch_opaque
 from conftest import aten_calls, op_calls
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-LIB = ROOT / "build" / "examples_cpp" / "libexample_ops.so"
 
 
-@pytest.fixture(scope="module", autouse=True)
-def example_ops():
-    assert LIB.exists(), f"{LIB} is missing: run scripts/dev.sh build first"
-    torch_opaque.load_library(LIB)
+pytestmark = pytest.mark.usefixtures("example_ops")
 
 
 class Model(torch.nn.Module):
@@ -149,3 +147,27 @@ def test_the_benchmark_baseline_is_a_correct_op():
     x = torch.randn(5, 3, requires_grad=True)
     compiled(x).sum().backward()
     torch.testing.assert_close(x.grad, 2 * x.detach().cos())
+
+
+class ArangeModel(torch.nn.Module):
+    def forward(self, x):
+        return x * torch.ops.example.scaled_arange(x.shape[0], 2.0, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("strict", [False, True])
+def test_factory_op_exports_with_a_dynamic_size(strict):
+    """A C++ op without tensor arguments (dtype and device are arguments)."""
+    assert str(torch.ops.example.scaled_arange.default._schema) == (
+        "example::scaled_arange(SymInt n, float scale=1., ScalarType? dtype=None, "
+        "Device? device=None) -> Tensor"
+    )
+    torch.testing.assert_close(torch.ops.example.scaled_arange(4), torch.arange(4.0))
+    ep = torch.export.export(
+        ArangeModel(), (torch.randn(4, dtype=torch.float64),),
+        dynamic_shapes=({0: torch.export.Dim("n")},), strict=strict,
+    )
+    assert len(op_calls(ep.graph_module, "scaled_arange", "example")) == 1
+    x = torch.randn(7, dtype=torch.float64)
+    torch.testing.assert_close(ep.module()(x), x * torch.arange(7.0, dtype=torch.float64) * 2)
+    compiled = torch.compile(ArangeModel(), backend="inductor", fullgraph=True, dynamic=True)
+    torch.testing.assert_close(compiled(x), x * torch.arange(7.0, dtype=torch.float64) * 2)

@@ -53,6 +53,19 @@ def load_library(path) -> None:
             f"Fix the TORCH_OPAQUE_DEF lines named above and rebuild the library."
         )
 
+def set_debug(on: bool = True) -> None:
+    """Debug mode (also ``TORCH_OPAQUE_DEBUG=1`` in the environment): each eager
+    call of a C++ op that has a ``fake`` also runs the fake on meta copies of its
+    inputs and raises if output shapes or dtypes differ (Note [Debug mode] in
+    include/torch_opaque/fake_checks.h). Costs a fake call per op call."""
+    _C.set_debug(bool(on))
+
+
+def debug_enabled() -> bool:
+    """Whether debug mode (:func:`set_debug`) is on."""
+    return _C.debug_enabled()
+
+
 __version__ = "0.1.0"  # the one place the version is written (Note [One version], CMakeLists.txt)
 
 # For find_package(torch_opaque) in CMake, like torch.utils.cmake_prefix_path:
@@ -66,6 +79,8 @@ __all__ = [
     "op",
     "wrap",
     "load_library",
+    "set_debug",
+    "debug_enabled",
     "lookup",
     "is_wrapped",
     "auto",

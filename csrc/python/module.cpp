@@ -3,6 +3,7 @@
 #include "direct_apply.h"
 #include "python_kernel.h"
 
+#include <torch_opaque/fake_checks.h>
 #include <torch_opaque/forward_record.h>
 #include <torch_opaque/opaque_op.h>
 
@@ -30,6 +31,14 @@ void set_forward_record_py(const std::vector<int64_t>& saved,
   r.state = std::move(state);
   r.state_ints = state_ints;
   set_forward_record(std::move(r));
+}
+
+// Note [Data-dependent sizes] (fake_checks.h): a C++ fake's
+// ctx.new_dynamic_size() asks the fake tracing context for an unbacked size.
+c10::SymInt dynamic_size_from_python(int64_t min, std::optional<int64_t> max) {
+  py::gil_scoped_acquire gil;
+  py::object fn = py::module_::import("torch_opaque._impl.bridge").attr("new_dynamic_size");
+  return py::cast<c10::SymInt>(fn(min, max));
 }
 
 } // namespace
@@ -82,6 +91,9 @@ PYBIND11_MODULE(_C, m) {
   m.def("set_primed", &set_primed, py::arg("runner"), py::arg("out"), py::arg("ctx"),
         "Hand the next forward kernel of `runner` on this thread the result of a forward "
         "already run (Note [First call runs forward once]); None clears it.");
+  torch_opaque::detail::set_dynamic_size_hook(&dynamic_size_from_python);
+  m.def("set_debug", &set_debug, py::arg("on"));
+  m.def("debug_enabled", &debug_enabled);
   m.def("set_forward_record", &set_forward_record_py, py::arg("saved"),
         py::arg("non_differentiable"), py::arg("materialize_grads"), py::arg("state"),
         py::arg("state_ints"));

@@ -14,7 +14,8 @@ inputs_I.pt and compares with expected_I.pt:
 
     run_package OUT_DIR/model.pt2 OUT_DIR/inputs_0.pt OUT_DIR/expected_0.pt ...
 
-The compiled model calls example::scaled_sin and example::top_value through
+The compiled model calls example::scaled_sin, example::top_value,
+example::weighted_sum and example::power_means through
 AOTI's proxy executor, which finds them in the dispatcher by name when the
 package is loaded: the process that loads it must have loaded the ops library
 first (run_package links it), or loading fails with "Could not find schema for
@@ -34,18 +35,23 @@ DEFAULT_LIB = ROOT / "build" / "examples_cpp" / "libexample_ops.so"
 
 
 class Model(torch.nn.Module):
-    """Linear -> example::scaled_sin -> Linear -> example::top_value."""
+    """Linear -> example::scaled_sin -> Linear -> example::top_value, and
+    example::weighted_sum (a Tensor[] argument) and example::power_means (a
+    Tensor[] return) on the way."""
 
     def __init__(self):
         super().__init__()
         self.lin1 = torch.nn.Linear(8, 16)
         self.lin2 = torch.nn.Linear(16, 5)
+        self.mix = torch.nn.Parameter(torch.tensor([0.5, -1.5]))
 
     def forward(self, x):
         h = torch.ops.example.scaled_sin(self.lin1(x), 2.0)
         y = self.lin2(h)
         values, indices = torch.ops.example.top_value(y, 1)
-        return y, values, indices
+        s = torch.ops.example.weighted_sum([y, y.cos()], self.mix)
+        m1, m2 = torch.ops.example.power_means(s, [1, 2])
+        return y, values, indices, m1 + m2
 
 
 def save_tensors(path: pathlib.Path, tensors) -> None:

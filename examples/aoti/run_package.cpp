@@ -11,7 +11,7 @@
 // error (for instance an op the process has not registered).
 //
 // The compiled model calls the torch_opaque ops (example::scaled_sin,
-// example::top_value) through AOTI's proxy executor, which looks them up in
+// example::top_value, ...) through AOTI's proxy executor, which looks them up in
 // the dispatcher by name at run time: this program links libexample_ops with
 // --no-as-needed so the ops are registered before the package is loaded.
 #include <ATen/ATen.h>

@@ -9,6 +9,7 @@
 
 #include <ATen/core/ivalue.h>
 #include <ATen/core/Tensor.h>
+#include <torch_opaque/fake_checks.h>
 
 #include <map>
 #include <string>
@@ -48,6 +49,15 @@ class Context {
   // Forward: pass undefined tensors, instead of zeros, to backward for
   // outputs that received no gradient.
   void set_materialize_grads(bool value) { materialize_grads_ = value; }
+
+  // In a `fake`: a new data-dependent size (the number of elements a
+  // masked_select keeps, say), at least `min` and at most `max` (when given).
+  // Valid while torch.export / torch.compile trace with fake tensors
+  // (Note [Data-dependent sizes] in fake_checks.h); raises anywhere else.
+  c10::SymInt new_dynamic_size(int64_t min = 0,
+                               std::optional<int64_t> max = std::nullopt) const {
+    return detail::new_dynamic_size(min, max);
+  }
 
   // Internal (used by the kernels in op.h).
   const std::vector<at::Tensor>& non_differentiable() const { return non_differentiable_; }

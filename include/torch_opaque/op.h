@@ -26,6 +26,7 @@
 #include <torch_opaque/context.h>
 #include <torch_opaque/detail/arg_types.h>
 #include <torch_opaque/detail/finishers.h>
+#include <torch_opaque/gradient.h>
 #include <torch_opaque/opaque_op.h>
 
 // An op body needs ATen's functions (at::sin, at::matmul, ...): bring them.
@@ -77,14 +78,25 @@ struct has_forward : std::false_type {};
 template <class Op>
 struct has_forward<Op, std::void_t<decltype(&Op::forward)>> : std::true_type {};
 
+template <class R>
+struct is_backward_result
+    : std::bool_constant<std::is_convertible_v<R, std::vector<at::Tensor>> ||
+                         std::is_convertible_v<R, std::vector<Gradient>>> {};
+
 template <class Op, class = void>
 struct has_backward : std::false_type {};
 template <class Op>
 struct has_backward<Op, std::void_t<decltype(Op::backward(std::declval<Context&>(),
                                                            std::declval<std::vector<at::Tensor>>()))>>
-    : std::is_convertible<decltype(Op::backward(std::declval<Context&>(),
-                                                std::declval<std::vector<at::Tensor>>())),
-                          std::vector<at::Tensor>> {};
+    : is_backward_result<decltype(Op::backward(std::declval<Context&>(),
+                                               std::declval<std::vector<at::Tensor>>()))> {};
+
+// A backward's result as one Gradient per forward argument.
+inline std::vector<Gradient> to_gradients(std::vector<Gradient> g) { return g; }
+inline std::vector<Gradient> to_gradients(std::vector<at::Tensor> g) {
+  return std::vector<Gradient>(std::make_move_iterator(g.begin()),
+                               std::make_move_iterator(g.end()));
+}
 
 template <class Args, size_t I>
 using arg_type_t = typename ForwardArgument<I, std::tuple_element_t<I, Args>>::type;
@@ -108,6 +120,16 @@ std::vector<bool> tensor_arguments(std::index_sequence<I...>) {
   return {arg_type_t<Args, I>::is_tensor...};
 }
 
+template <class Args, size_t... I>
+std::vector<bool> tensor_list_arguments(std::index_sequence<I...>) {
+  return {arg_type_t<Args, I>::is_tensor_list...};
+}
+
+template <class Args, size_t... I>
+constexpr bool any_tensor_list(std::index_sequence<I...>) {
+  return (false || ... || arg_type_t<Args, I>::is_tensor_list);
+}
+
 // A forward-like function (forward or fake) as a BoxedKernel of `_fwd`.
 template <class Fn>
 BoxedKernel forward_kernel(Fn fn, std::string op_name) {
@@ -122,20 +144,34 @@ BoxedKernel forward_kernel(Fn fn, std::string op_name) {
     Context ctx(recording ? std::move(*needs) : std::vector<bool>(Sig::arity, false));
     auto args = unbox<Args>(inputs, std::make_index_sequence<Sig::arity>{});
     auto result = std::apply([&](auto&... a) { return fn(ctx, a...); }, args);
-    finish_forward(op_name, ctx, inputs,
-                   ReturnType<typename Sig::result>::flatten(std::move(result)), recording,
-                   stack);
+    if constexpr (any_tensor_list<Args>(std::make_index_sequence<Sig::arity>{})) {
+      if (recording) record_list_sizes(ctx, inputs);
+    }
+    using Ret = ReturnType<typename Sig::result>;
+    finish_forward(op_name, ctx, inputs, Ret::flatten(std::move(result)), recording, stack,
+                   Ret::is_list);
   };
 }
 
-template <class Op>
-BoxedKernel backward_kernel(std::string op_name, std::vector<bool> tensor_args) {
-  return [op_name, tensor_args](const c10::FunctionSchema&, torch::jit::Stack* stack) {
+template <class Op, bool HasLists>
+BoxedKernel backward_kernel(std::string op_name, std::vector<bool> tensor_args,
+                            std::vector<bool> list_args) {
+  return [op_name, tensor_args, list_args](const c10::FunctionSchema&, torch::jit::Stack* stack) {
     auto [ctx, grads] = start_backward(stack);
+    std::vector<int64_t> list_sizes;
+    if constexpr (HasLists) list_sizes = take_list_sizes(ctx);
     c10::SmallVector<at::Tensor, 4> grad_outputs(grads.begin(), grads.end());
-    std::vector<at::Tensor> result = Op::backward(ctx, std::move(grads));
-    finish_backward(op_name, tensor_args, std::move(result), ctx.saved_tensors(), grad_outputs,
-                    stack);
+    auto result = Op::backward(ctx, std::move(grads));
+    if constexpr (!HasLists && std::is_convertible_v<decltype(result), std::vector<at::Tensor>>) {
+      // One gradient per argument already: nothing to flatten.
+      finish_backward(op_name, tensor_args, std::vector<at::Tensor>(std::move(result)),
+                      ctx.saved_tensors(), grad_outputs, stack);
+    } else {
+      std::vector<bool> slots = tensor_args;
+      std::vector<at::Tensor> flat = flatten_gradients(
+          op_name, list_args, list_sizes, to_gradients(std::move(result)), &slots);
+      finish_backward(op_name, slots, std::move(flat), ctx.saved_tensors(), grad_outputs, stack);
+    }
   };
 }
 
@@ -156,7 +192,9 @@ std::shared_ptr<OpaqueOp> def(const std::string& qualified_name,
                 "names (or define one op per overload).");
   static_assert(detail::has_backward<Op>::value,
                 "torch_opaque::def<Op>: Op needs `static std::vector<at::Tensor> "
-                "backward(torch_opaque::Context& ctx, std::vector<at::Tensor> grads)`.");
+                "backward(torch_opaque::Context& ctx, std::vector<at::Tensor> grads)` (or "
+                "returning std::vector<torch_opaque::Gradient>, when a Tensor[] argument "
+                "gets one gradient per element).");
   using Sig = detail::ForwardSignature<decltype(&Op::forward)>;
   using Args = typename Sig::args;
   constexpr size_t n = Sig::arity;
@@ -180,8 +218,9 @@ std::shared_ptr<OpaqueOp> def(const std::string& qualified_name,
   d.name = rest.substr(0, dot);
   d.overload = dot == std::string::npos ? "" : rest.substr(dot + 1);
   d.arguments = detail::schema_arguments<Args>(arg_names, std::make_index_sequence<n>{});
-  constexpr size_t n_out = detail::ReturnType<typename Sig::result>::count;
-  d.returns.assign(n_out, "Tensor");
+  using Ret = detail::ReturnType<typename Sig::result>;
+  constexpr size_t n_out = Ret::count;
+  d.returns.assign(n_out, Ret::is_list ? "Tensor[]" : "Tensor");
   if constexpr (detail::has_output_names<Op>::value) {
     static_assert(std::size(Op::output_names) == n_out,
                   "torch_opaque::def<Op>: Op::output_names must name each output of forward, "
@@ -189,12 +228,14 @@ std::shared_ptr<OpaqueOp> def(const std::string& qualified_name,
     for (size_t k = 0; k < n_out; ++k) d.returns[k] += std::string(" ") + Op::output_names[k];
   }
   d.forward = detail::forward_kernel(&Op::forward, qualified_name);
-  d.backward = detail::backward_kernel<Op>(
-      qualified_name, detail::tensor_arguments<Args>(std::make_index_sequence<n>{}));
+  d.backward = detail::backward_kernel<
+      Op, detail::any_tensor_list<Args>(std::make_index_sequence<n>{})>(
+      qualified_name, detail::tensor_arguments<Args>(std::make_index_sequence<n>{}),
+      detail::tensor_list_arguments<Args>(std::make_index_sequence<n>{}));
   if constexpr (detail::has_fake<Op>::value) {
     d.meta_forward = detail::forward_kernel(&Op::fake, qualified_name);
   }
-  d.refuse_grad_through_lists = true;
+  d.differentiate_lists = true;
   return define_op(std::move(d));
 }
 

@@ -9,6 +9,8 @@
 //   ns::Name_bwd.overload(Tensor?[] saved, Tensor?[] grads,
 //                         bool[] needs_input_grad, str state,
 //                         SymInt[] state_ints) -> Tensor?[]
+// (`_bwd` returns one gradient per forward argument; with differentiate_lists,
+// one per element for a Tensor[] argument.)
 // `ns::Name` gets the Autograd kernel (see autograd_kernel.cpp) and a
 // CompositeExplicitAutograd kernel; `_fwd` and `_bwd` get the user's kernels.
 // Fake (meta) kernels are registered by whoever supplies the kernels: the
@@ -52,11 +54,12 @@ struct OpDefinition {
   // registered on the Meta key of `ns::Name` and `ns::Name_fwd`. Without it
   // the CompositeExplicitAutograd kernels serve meta tensors too.
   BoxedKernel meta_forward;
-  // Tensor-list (Tensor[]) arguments are not differentiated: with false their
-  // elements are ignored by autograd, as torch.autograd.Function does (the
-  // Python front end); with true (the C++ API) a call whose list elements
-  // require grad is refused, so no gradient is dropped silently.
-  bool refuse_grad_through_lists = false;
+  // Tensor-list (Tensor[]) arguments: with false their elements are not
+  // differentiated, as torch.autograd.Function does (the Python front end);
+  // with true (the C++ API) each element is, as torch::autograd::Function
+  // does, and `_bwd` returns one gradient per list element in the argument's
+  // place (Note [Tensor-list gradients] in detail/finishers.h).
+  bool differentiate_lists = false;
 };
 
 class OpaqueOp;

@@ -80,22 +80,6 @@ struct DataPtrDouble {
 };
 TORCH_OPAQUE_DEF(DataPtrDouble, "opaque_cpp_test::data_ptr_double", "x");
 
-// weighted_sum(Tensor[] xs, Tensor w) = w * sum(xs): only w is differentiable
-// (tensor-list elements are refused when they require grad).
-struct WeightedSum {
-  static at::Tensor forward(torch_opaque::Context& ctx, const std::vector<at::Tensor>& xs,
-                            const at::Tensor& w) {
-    at::Tensor total = at::stack(xs).sum(0);
-    ctx.save_for_backward({total});
-    return w * total;
-  }
-  static std::vector<at::Tensor> backward(torch_opaque::Context& ctx,
-                                          std::vector<at::Tensor> g) {
-    return {at::Tensor(), g[0] * ctx.saved_tensors()[0]};
-  }
-};
-TORCH_OPAQUE_DEF(WeightedSum, "opaque_cpp_test::weighted_sum", "xs", "w");
-
 // The argument types ATen kernels take: view types, optionals, Scalar, Device.
 struct ManyTypes {
   static at::Tensor forward(torch_opaque::Context& ctx, const at::Tensor& x,
@@ -300,29 +284,6 @@ TEST(CppApi, StaticRegistrationFailuresAreRecordedNotThrown) {
   }
   torch_opaque::check_registrations(); // emptied: no second throw
   EXPECT_TRUE(torch_opaque::take_registration_errors().empty());
-}
-
-TEST(CppApi, TensorListElementsThatRequireGradAreRefusedNotDropped) {
-  auto w = torch::randn({3}).requires_grad_();
-  std::vector<at::Tensor> xs = {torch::randn({3}), torch::randn({3})};
-  auto y = call("opaque_cpp_test::weighted_sum", {c10::List<at::Tensor>(xs), w})[0];
-  auto gw = torch::autograd::grad({y.sum()}, {w})[0];
-  EXPECT_TRUE(torch::allclose(gw, xs[0] + xs[1]));
-  xs[1].requires_grad_();
-  try {
-    call("opaque_cpp_test::weighted_sum", {c10::List<at::Tensor>(xs), w});
-    FAIL();
-  } catch (const c10::Error& e) {
-    EXPECT_NE(std::string(e.what()).find(
-                  "opaque_cpp_test::weighted_sum: argument 'xs' (Tensor[]) holds tensors that "
-                  "require grad, but gradients of tensor-list elements are not supported"),
-              std::string::npos)
-        << e.what();
-  }
-  torch::NoGradGuard no_grad; // nothing is differentiated: allowed
-  EXPECT_TRUE(torch::allclose(
-      call("opaque_cpp_test::weighted_sum", {c10::List<at::Tensor>(xs), w})[0],
-      w * (xs[0] + xs[1])));
 }
 
 TEST(CppApi, BackwardReturningWrongCountIsAClearError) {

@@ -11,6 +11,8 @@ runner per op; two kinds of runner exist: a Function's
   attribute and method csrc/python/python_kernel.cpp uses (no private names);
 * :class:`ForwardChecks` and :class:`BackwardChecks` implement the error paths
   the bridge calls, so both kinds of runner raise the same errors;
+* :func:`new_dynamic_size` is what a C++ op's fake reaches through
+  ``ctx.new_dynamic_size()`` (csrc/python/module.cpp installs the hook);
 * :class:`SavedKind` is the C++ enum ``torch_opaque::SavedKind``
   (include/torch_opaque/forward_record.h): where a saved tensor comes from, as
   the forward record's (kind, index, item) triples give it.
@@ -22,6 +24,7 @@ import enum
 from typing import Any, Callable, NoReturn, Optional, Protocol, Sequence, runtime_checkable
 
 import torch
+from torch._library import fake_impl
 
 from ..errors import SchemaError, UnsupportedError
 
@@ -174,3 +177,24 @@ class BackwardChecks:
                     f"position {i + 1}; gradients must be tensors or None."
                 )
         raise AssertionError(f"torch_opaque: {self.fn_name}: no bad gradient in {res!r}")
+
+
+def new_dynamic_size(min: int, max):
+    """A new data-dependent (unbacked) size for a C++ fake's
+    ``ctx.new_dynamic_size()`` (Note [Data-dependent sizes] in
+    include/torch_opaque/fake_checks.h): from the fake tracing context, as
+    ``torch.library.get_ctx().new_dynamic_size()`` gives in a Python fake."""
+    ctx = fake_impl.global_ctx_getter()
+    if ctx is None:
+        mode = torch._guards.detect_fake_mode()
+        if mode is None:
+            mode = torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE)
+        if mode is None:
+            raise RuntimeError(
+                "torch_opaque: ctx.new_dynamic_size() creates a data-dependent size while "
+                "torch.export or torch.compile traces the op with fake tensors; there is no "
+                "fake tensor mode here. Call the op on real tensors, or trace it."
+            )
+        ctx = fake_impl.FakeImplCtx(mode, None)
+    return ctx.new_dynamic_size(min=min, max=max)
+

@@ -37,10 +37,10 @@ from ..errors import FakeForwardError, SchemaError
 from ..hooks import apply as _apply_hook
 from .kernels import BackwardRunner, FakeRunner, InferenceFake, Runner, check_tensor_outputs
 from .kernels import make_backward_fake, modified_input_error
-from . import in_place
-from .schema import kinds_key, returns_from_hint, specs_from_hints
+from . import batching, forward_ad, in_place
+from .schema import kinds_key, returns_from_hint, specs_from_hints, type_hints
 from .schema import schema_arguments, specs_from_values
-from .tracing import real_shaped
+from .tracing import one_plain_sample, real_shaped
 
 DEFAULT_NAMESPACE = "opaque"
 
@@ -68,6 +68,16 @@ def function_for_op(namespace: str, name: str) -> Optional["OpaqueFunction"]:
 
 # Stock autograd.Function.apply (Note [Apply interception] in hooks/apply.py).
 _ORIGINAL_APPLY = _apply_hook.ORIGINAL_APPLY
+
+
+def _register_fake(lib, op, kernel, source: str) -> None:
+    """``torch.library.register_fake(op, kernel, lib=lib)`` without its caller
+    look-up: that one reads the caller's source file (inspect.getframeinfo) to
+    name the registration, a third of the cost of wrapping a class
+    (benchmarks/bench_registration.py). Same registry entry, same Meta kernel,
+    same handle kept by ``lib`` (released with it)."""
+    entry = torch._library.simple_registry.singleton.find(op._name)
+    lib._registration_handles.append(entry.fake_impl.register(kernel, source, lib=lib))
 
 
 def default_name(cls: type) -> str:
@@ -122,9 +132,15 @@ class Overload:
         self.op = getattr(getattr(ns, fn.name), self.name)
         self.fwd_op = getattr(getattr(ns, fn.name + "_fwd"), self.name)
         self.bwd_op = getattr(getattr(ns, fn.name + "_bwd"), self.name)
-        torch.library.register_fake(self.op, InferenceFake(fake_runner), lib=fn.lib)
-        torch.library.register_fake(self.fwd_op, fake_runner, lib=fn.lib)
-        torch.library.register_fake(self.bwd_op, make_backward_fake(bwd, name), lib=fn.lib)
+        source = f"torch_opaque wrap of {name}"
+        _register_fake(fn.lib, self.op, InferenceFake(fake_runner), source)
+        _register_fake(fn.lib, self.fwd_op, fake_runner, source)
+        _register_fake(fn.lib, self.bwd_op, make_backward_fake(bwd, name), source)
+        self.bwd_runner = bwd
+        self.jvp_op = None
+        if forward_ad.has_jvp(fn.cls):
+            forward_ad.define(self, fn.cls, fn.lib, arguments)
+        batching.Rules(self, fn.cls).register(fn.lib, fn.name)
 
     def __call__(self, args):
         out = self.op(*args)
@@ -186,11 +202,14 @@ class OpaqueFunction:
         self.defaults = defaults
         self.signature = inspect.Signature(params)
         self.lib = torch.library.Library(namespace, "FRAGMENT")
+        hints = type_hints(cls.forward)
         self.hint_specs = (
             None
-            if self.varargs
-            else specs_from_hints(cls.forward, names, defaults, self.display_name)
+            if self.varargs or hints is None
+            else specs_from_hints(cls.forward, names, defaults, self.display_name, hints)
         )
+        # (number of outputs, returns a tuple) from forward's return hint, or None.
+        self.returns_hint = None if hints is None else returns_from_hint(cls.forward, hints)
         self.overloads: dict = {}  # overload name -> Overload
         self._by_kinds: dict = {}  # kinds_key -> Overload
         self._single: Optional[Overload] = None  # set when the schema comes from hints
@@ -290,7 +309,7 @@ class OpaqueFunction:
             if outputs is not None:
                 n_out, returns_tuple = _output_structure(self.display_name, outputs)
             else:
-                n_out, returns_tuple = returns_from_hint(self.cls.forward) or self._probe(
+                n_out, returns_tuple = self.returns_hint or self._probe(
                     specs, values
                 )
             return self.define_overload(overload, specs, n_out, returns_tuple, values)
@@ -324,7 +343,7 @@ class OpaqueFunction:
         call of each kind of arguments (None here)."""
         if self.hint_specs is None:
             return None
-        returns = returns_from_hint(self.cls.forward)
+        returns = self.returns_hint
         if returns is None:
             return None
         return self.define_overload("", self.hint_specs, *returns)
@@ -340,7 +359,7 @@ class OpaqueFunction:
         (same RNG draws, same side effects). Traced calls (fake tensors,
         dispatch modes) and forwards with a return hint do not run it here.
         """
-        if returns_from_hint(self.cls.forward) is not None or _traced(values):
+        if self.returns_hint is not None or _traced(values):
             return self.overload_for(values), None
         needs = tuple(
             torch.is_grad_enabled() and isinstance(v, torch.Tensor) and v.requires_grad
@@ -406,9 +425,12 @@ class OpaqueFunction:
         if out is None:
             # Eager use of a forward that cannot run on fake tensors: learn the
             # output structure from one real call (without autograd).
-            with torch.no_grad():
+            from torch._functorch.pyfunctorch import temporarily_clear_interpreter_stack
+
+            plain = [one_plain_sample(v) for v in values]
+            with torch.no_grad(), temporarily_clear_interpreter_stack():
                 out = Runner(self.display_name, self.forward, setup, specs, -1).call_user(
-                    ForwardContext(self.display_name, (False,) * len(values)), values
+                    ForwardContext(self.display_name, (False,) * len(values)), plain
                 )
         return _output_structure(self.display_name, out)
 
@@ -573,12 +595,12 @@ def _forget(fn: OpaqueFunction) -> None:
     from torch._library import simple_registry
 
     for ov in fn.overloads.values():  # the (now empty) fake-kernel entries
-        for suffix in ("", "_fwd", "_bwd"):
+        for suffix in ("", "_fwd", "_bwd", "_jvp"):
             base = f"{fn.namespace}::{fn.name}{suffix}"
             simple_registry.singleton._data.pop(f"{base}.{ov.name}", None)
             simple_registry.singleton._data.pop(base if not ov.overload else f"{base}.{ov.overload}", None)
     ns = getattr(torch.ops, fn.namespace)
-    for suffix in ("", "_fwd", "_bwd"):  # torch.ops' caches of the deregistered ops
+    for suffix in ("", "_fwd", "_bwd", "_jvp"):  # torch.ops' caches of the deregistered ops
         vars(ns).pop(fn.name + suffix, None)
         if fn.name + suffix in ns._dir:
             ns._dir.remove(fn.name + suffix)

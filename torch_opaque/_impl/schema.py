@@ -246,11 +246,23 @@ def _spec_from_hint(fn_name: str, name: str, hint: Any, default: Any) -> ArgSpec
     )
 
 
-def specs_from_hints(forward: Callable, names: Sequence[str], defaults: dict, fn_name: str):
-    """Specs from type hints, or None when some argument is not annotated."""
+def type_hints(forward: Callable) -> Optional[dict]:
+    """``typing.get_type_hints(forward)``, or None when they cannot be resolved.
+    (Resolving string annotations compiles each one: callers that need them
+    twice pass the result on.)"""
     try:
-        hints = typing.get_type_hints(forward)
+        return typing.get_type_hints(forward)
     except Exception:
+        return None
+
+
+def specs_from_hints(forward: Callable, names: Sequence[str], defaults: dict, fn_name: str,
+                     hints: Optional[dict] = None):
+    """Specs from type hints, or None when some argument is not annotated.
+    ``hints``: forward's type_hints(), if already resolved."""
+    if hints is None:
+        hints = type_hints(forward)
+    if hints is None:
         return None
     if not all(n in hints for n in names):
         return None
@@ -267,12 +279,14 @@ class _FromValues(Exception):
     """An annotation no schema carries, whose values may still be carriable."""
 
 
-def returns_from_hint(forward: Callable) -> Optional[tuple]:
-    """(number of outputs, whether forward returns a tuple) from the return hint."""
-    try:
-        hint = typing.get_type_hints(forward).get("return")
-    except Exception:
+def returns_from_hint(forward: Callable, hints: Optional[dict] = None) -> Optional[tuple]:
+    """(number of outputs, whether forward returns a tuple) from the return hint.
+    ``hints``: forward's type_hints(), if already resolved."""
+    if hints is None:
+        hints = type_hints(forward)
+    if hints is None:
         return None
+    hint = hints.get("return")
     if hint is torch.Tensor:
         return (1, False)
     if typing.get_origin(hint) is tuple:

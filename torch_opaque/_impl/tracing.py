@@ -1,6 +1,6 @@
 """What every Python caller that traces an opaque call needs, once: a size for
-a symbolic dimension, real-shaped stand-ins for traced values, and copies of
-outputs that alias inputs.
+a symbolic dimension, real-shaped stand-ins for traced values, a plain
+sample of a torch.func-wrapped tensor, and copies of outputs that alias inputs.
 
 Used by the first-call probe (function.py), auto() (hooks/auto.py), graph
 passes, stored programs (archive/) and ONNX export.
@@ -67,6 +67,18 @@ def real_shaped(v: Any) -> Any:
         return type(v)(real_shaped(x) for x in v)
     if isinstance(v, torch.SymInt):
         return size_hint(v)
+    return v
+
+
+def one_plain_sample(v: Any) -> Any:
+    """A torch.func (vmap, grad, jvp) wrapped tensor's plain tensor (one sample
+    of a vmapped one): the output probe of a first call inside a transform runs on it."""
+    F = torch._C._functorch
+    while isinstance(v, torch.Tensor) and F.is_functorch_wrapped_tensor(v):
+        if F.is_batchedtensor(v):  # one sample
+            v = F.get_unwrapped(v).select(F.maybe_get_bdim(v), 0)
+        else:
+            v = F.get_unwrapped(v)
     return v
 
 

@@ -44,12 +44,15 @@ struct is_supported_arg : std::bool_constant<ArgType<T>::supported> {};
     using storage = STORAGE;                                        \
     static std::string schema() { return SCHEMA; }                  \
     static constexpr bool is_tensor = IS_TENSOR;                    \
+    static constexpr bool is_tensor_list =                          \
+        std::is_same_v<STORAGE, std::vector<at::Tensor>>;           \
     static storage from(const c10::IValue& v) { return EXPR; }      \
   };
 
 TORCH_OPAQUE_ARG(at::Tensor, at::Tensor, "Tensor", true, v.toTensor())
 TORCH_OPAQUE_ARG(std::optional<at::Tensor>, std::optional<at::Tensor>, "Tensor?", true,
                  v.isNone() ? std::optional<at::Tensor>() : std::optional<at::Tensor>(v.toTensor()))
+// Tensor lists: each element is differentiable (see Gradient).
 TORCH_OPAQUE_ARG(std::vector<at::Tensor>, std::vector<at::Tensor>, "Tensor[]", false,
                  v.toTensorVector())
 TORCH_OPAQUE_ARG(at::TensorList, std::vector<at::Tensor>, "Tensor[]", false, v.toTensorVector())
@@ -84,6 +87,7 @@ struct ArgType<std::optional<T>,
   using storage = std::optional<typename ArgType<T>::storage>;
   static std::string schema() { return ArgType<T>::schema() + "?"; }
   static constexpr bool is_tensor = false;
+  static constexpr bool is_tensor_list = false;
   static storage from(const c10::IValue& v) {
     return v.isNone() ? storage() : storage(ArgType<T>::from(v));
   }
@@ -106,22 +110,33 @@ struct ForwardArgument {
   using type = ArgType<T>;
 };
 
-// Returns: one Tensor, or a std::tuple of Tensors.
+// Returns: one Tensor, a std::tuple of Tensors, or a std::vector of Tensors
+// (schema `Tensor[]`, each element a differentiable output; the backward gets
+// one gradient per element).
 template <class R>
 struct ReturnType {
   static_assert(always_false<R>::value,
-                "torch_opaque: forward must return at::Tensor or std::tuple<at::Tensor, ...>.");
+                "torch_opaque: forward must return at::Tensor, std::tuple<at::Tensor, ...> or "
+                "std::vector<at::Tensor>.");
 };
 template <>
 struct ReturnType<at::Tensor> {
   static constexpr size_t count = 1;
+  static constexpr bool is_list = false;
   static std::vector<at::Tensor> flatten(at::Tensor t) { return {std::move(t)}; }
+};
+template <>
+struct ReturnType<std::vector<at::Tensor>> {
+  static constexpr size_t count = 1;
+  static constexpr bool is_list = true;
+  static std::vector<at::Tensor> flatten(std::vector<at::Tensor> t) { return t; }
 };
 template <class... Ts>
 struct ReturnType<std::tuple<Ts...>> {
   static_assert((std::is_same_v<Ts, at::Tensor> && ...),
                 "torch_opaque: every element of the returned std::tuple must be at::Tensor.");
   static constexpr size_t count = sizeof...(Ts);
+  static constexpr bool is_list = false;
   static std::vector<at::Tensor> flatten(std::tuple<Ts...> t) {
     return std::apply([](auto&... x) { return std::vector<at::Tensor>{x...}; }, t);
   }

@@ -6,6 +6,7 @@
 
 #include <torch_opaque/context.h>
 #include <torch_opaque/forward_record.h>
+#include <torch_opaque/gradient.h>
 
 #include <ATen/core/stack.h>
 
@@ -19,6 +20,7 @@ namespace torch_opaque::detail {
 // when the call is recorded, what its ctx holds.
 struct ForwardOutcome {
   std::vector<at::Tensor> outputs;
+  bool list_output = false;  // the outputs are the elements of one Tensor[] return
   std::vector<at::Tensor> saved;  // save_for_backward order; undefined = None
   std::vector<at::Tensor> non_differentiable;
   bool materialize_grads = true;
@@ -37,10 +39,12 @@ void finish_forward(const std::string& op_name, c10::ArrayRef<c10::IValue> input
                     ForwardOutcome outcome, bool recording, torch::jit::Stack* stack);
 
 // The same for a C++ Context (saved_data encoded per Note [saved_data encoding]).
+// With `list_output`, `outputs` are pushed as one Tensor[] (saved outputs and
+// non-differentiable flags then refer to its elements).
 void finish_forward(const std::string& op_name, Context& ctx,
                     c10::ArrayRef<c10::IValue> inputs,
                     std::vector<at::Tensor> outputs, bool recording,
-                    torch::jit::Stack* stack);
+                    torch::jit::Stack* stack, bool list_output = false);
 
 // The arguments of `ns::Name_bwd(Tensor?[] saved, Tensor?[] grads,
 // bool[] needs_input_grad, str state, SymInt[] state_ints)`; undefined
@@ -64,5 +68,24 @@ std::pair<Context, std::vector<at::Tensor>> start_backward(torch::jit::Stack* st
 void finish_backward(const std::string& op_name, const std::vector<bool>& tensor_args,
                      std::vector<at::Tensor> grads, c10::ArrayRef<at::Tensor> saved,
                      c10::ArrayRef<at::Tensor> grad_outputs, torch::jit::Stack* stack);
+
+// Note [Tensor-list gradients]
+// A C++ op differentiates the elements of its Tensor[] arguments (as
+// torch::autograd::Function does): `_bwd` then returns one slot per
+// argument, except that a Tensor[] argument has one slot per element. The
+// forward records the list lengths in the backward's state (record_list_sizes,
+// under a key of its own) so that `_bwd` knows the layout; the backward's
+// Gradient entries are flattened into those slots (flatten_gradients).
+void record_list_sizes(Context& ctx, c10::ArrayRef<c10::IValue> inputs);
+// The lengths record_list_sizes stored, removed from ctx.saved_data (empty
+// when there were none).
+std::vector<int64_t> take_list_sizes(Context& ctx);
+// One gradient per `_bwd` slot; `tensor_args` (one flag per argument) becomes
+// one flag per slot. `list_args[i]`: whether argument i is a Tensor[].
+std::vector<at::Tensor> flatten_gradients(const std::string& op_name,
+                                          const std::vector<bool>& list_args,
+                                          const std::vector<int64_t>& list_sizes,
+                                          std::vector<Gradient> grads,
+                                          std::vector<bool>* tensor_args);
 
 } // namespace torch_opaque::detail

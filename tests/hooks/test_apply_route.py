@@ -1,0 +1,77 @@
+"""hooks/apply.py: Function.apply rerouted (Note [Apply interception]) leaves
+stock Functions as they were: same results, same frames, same tracebacks
+(Note [Inlined route check])."""
+
+import inspect
+import sys
+import traceback
+
+import torch
+
+import torch_opaque
+from torch_opaque._impl import function as F
+from torch_opaque.hooks import apply as apply_hook
+
+
+class Depth(torch.autograd.Function):
+    """Records how many frames lie between the caller and its forward."""
+
+    frames = None
+
+    @staticmethod
+    def forward(ctx, x, marker):
+        f, n = sys._getframe(1), 0
+        while f is not None and f.f_code is not marker:
+            f, n = f.f_back, n + 1
+        Depth.frames = n
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * 2, None
+
+
+class Fails(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        raise ValueError("forward failed")
+
+    @staticmethod
+    def backward(ctx, g):
+        return g
+
+
+def _frames(call) -> int:
+    marker = sys._getframe().f_code
+    x = torch.ones(2, requires_grad=True)
+    out = call(x, marker)
+    torch.testing.assert_close(out, x.detach() * 2)
+    return Depth.frames
+
+
+def test_unrouted_apply_adds_no_frame_to_stock():
+    F.ensure_routing()
+    torch_opaque.wrap(type("RoutedNeighbour", (Depth,), {}))  # something is wrapped
+    stock = _frames(lambda x, m: apply_hook.ORIGINAL_APPLY(Depth, x, m))
+    rerouted = _frames(lambda x, m: Depth.apply(x, m))
+    assert rerouted == stock
+    assert Depth.apply(torch.ones(2, requires_grad=True), None).grad_fn.name() == "DepthBackward"
+
+
+def test_unrouted_apply_tracebacks_point_at_torch_source():
+    F.ensure_routing()
+    code = torch.autograd.Function.apply.__func__.__code__
+    assert code.co_filename == apply_hook.ORIGINAL_APPLY.__code__.co_filename
+    try:
+        Fails.apply(torch.ones(1))
+    except ValueError as e:
+        frames = traceback.extract_tb(e.__traceback__)
+    apply_frame = next(f for f in frames if f.name == "apply")
+    source, first = inspect.getsourcelines(apply_hook.ORIGINAL_APPLY)
+    assert apply_frame.filename == code.co_filename
+    assert apply_frame.line == source[apply_frame.lineno - first].strip()
+    assert "super().apply" in apply_frame.line
+
+
+def test_inlined_check_refuses_code_it_cannot_read():
+    assert apply_hook._inlined_trampoline(compile("x = 1", "<nowhere>", "exec")) is None
