@@ -82,9 +82,10 @@ from onnxscript.values import OnnxFunction, Op, Opset
 from torch.fx.experimental.symbolic_shapes import is_concrete_int
 
 from ._impl.function import lookup
-from ._impl.calls import bind, tensor_kind
+from ._impl.calls import NEEDS_INPUT_GRAD, bind, tensor_kind
 from ._impl.tracing import size_hint
 from .ops import OpaqueInfo, opaque_nodes
+from .onnx_training import BackwardBody, ForwardBody, TrainingCalls, ValueList, with_user_outputs
 
 __all__ = ["export", "OnnxExportError"]
 
@@ -123,7 +124,8 @@ def export(
     keyword inputs). Returns the ModelProto; saves it to ``path`` if given.
     """
     if isinstance(model_or_ep, torch.export.ExportedProgram):
-        ep = model_or_ep
+        # a training step (export_training): loss and gradients become the outputs
+        ep = with_user_outputs(model_or_ep)
     else:
         args = args if isinstance(args, tuple) else (args,)
         dims = torch.utils._pytree.tree_map(  # "name" axes (torch.onnx style) -> DYNAMIC
@@ -224,8 +226,36 @@ def _reuse_torchlib_registry():
 
 
 def _tensor_kind(arg) -> Optional[str]:
-    """"one" / "list" for the schema types Tensor(?) / Tensor[], else None."""
+    """"one" / "list" for the schema types Tensor(?) / Tensor[] (or Tensor?[]), else None."""
     return {"tensor": "one", "tensors": "list"}.get(tensor_kind(arg))
+
+
+def _bind(target, args, kwargs) -> list:
+    """(schema argument, value) for every argument of a call. ``Name_fwd`` /
+    ``Name_bwd`` calls (training programs) bind every argument by position,
+    needs_input_grad included (an attribute of their ONNX nodes)."""
+    schema = target._schema
+    if all(a.name != NEEDS_INPUT_GRAD for a in schema.arguments):
+        return bind(schema, args, kwargs)
+    out = []
+    for i, a in enumerate(schema.arguments):
+        if i < len(args):
+            out.append((a, args[i]))
+        elif a.name in kwargs:
+            out.append((a, kwargs[a.name]))
+        elif a.has_default_value():
+            out.append((a, a.default_value))
+    return out
+
+
+def _constants(target, args, kwargs) -> tuple:
+    """The non-tensor arguments of a call, as plain nested tuples (a call kind)."""
+    def plain(v):
+        return tuple(plain(x) for x in v) if isinstance(v, (list, tuple)) else v
+
+    return tuple(
+        (a.name, plain(v)) for a, v in _bind(target, args, kwargs) if _tensor_kind(a) is None
+    )
 
 
 def _attribute(arg, value) -> Optional[ir.Attr]:
@@ -249,7 +279,7 @@ def _attribute(arg, value) -> Optional[ir.Attr]:
 def _split(target, args, kwargs) -> tuple:
     """The call's (name, tensor) inputs and its attributes."""
     inputs, attrs = [], []
-    for arg, value in bind(target._schema, args, kwargs):
+    for arg, value in _bind(target, args, kwargs):
         kind = _tensor_kind(arg)
         if kind == "list":
             inputs += [(f"{arg.name}_{i}", v) for i, v in enumerate(value)]
@@ -282,22 +312,28 @@ def _static(size) -> Optional[int]:
     return int(size) if is_concrete_int(size) else None
 
 
+def _rebuild(template: list, tensors) -> list:
+    """A call's arguments from its body's tensor inputs. ``template`` per
+    argument: ("T",) a tensor, ("L", n) n tensors, ("O", nones) a Tensor?[]
+    (None where ``nones`` says), ("N",) a None tensor, ("C", value) a constant."""
+    it = iter(tensors)
+    return [
+        next(it) if t[0] == "T" else [next(it) for _ in range(t[1])] if t[0] == "L"
+        else [None if none else next(it) for none in t[1]] if t[0] == "O"
+        else None if t[0] == "N" else t[1]
+        for t in template
+    ]
+
+
 class _Body(torch.nn.Module):
-    """The user's forward for one call: tensors in, outputs out. ``template``
-    per argument: ("T",) a tensor, ("L", n) n tensors, ("N",) a None tensor,
-    ("C", value) a constant."""
+    """The user's forward for one call: tensors in, outputs out."""
 
     def __init__(self, ov, template: list):
         super().__init__()
         self.ov, self.template = ov, template
 
     def forward(self, *tensors):
-        it = iter(tensors)
-        args = [
-            next(it) if t[0] == "T" else [next(it) for _ in range(t[1])] if t[0] == "L"
-            else None if t[0] == "N" else t[1]
-            for t in self.template
-        ]
+        args = _rebuild(self.template, tensors)
         # The bridge's run already copies outputs that alias inputs.
         outs, _residuals, _record = self.ov.runner.run(None, args)
         return tuple(outs)
@@ -312,6 +348,7 @@ class _Exporter:
         self.functions: dict = {}  # ir.OperatorIdentifier -> ir.Function
         self.seen: set = set()  # qualified names of the opaque ops met (nested ones too)
         self._emitted: list = []  # (ir.Node, OpaqueInfo): custom nodes needing a function
+        self.training = TrainingCalls()  # Note [ONNX export of training programs]
 
     def to_ir(self, ep: torch.export.ExportedProgram, top: bool = False) -> ir.Model:
         table = {}
@@ -346,23 +383,15 @@ class _Exporter:
         qual, mapped = info.qualified_name, self.mapping.get(info.qualified_name)
         self.seen.add(qual)
         if info.role != "op":
-            raise OnnxExportError(
-                f"torch_opaque.onnx: the graph calls {info.target} (the training form of {qual}); "
-                f"ONNX export needs an inference graph: export the model without inputs that "
-                f"require grad (torch.export.export, or under torch.no_grad())."
-            )
+            self._check_training(fx_node, info)
+            return
         if callable(mapped) and not isinstance(mapped, OnnxFunction):
             return  # a translation function: torch.onnx calls it with the node's arguments
-        args = bind(info.target._schema, fx_node.args, fx_node.kwargs)
-        for arg, value in args:
-            values = value if isinstance(value, (list, tuple)) else [value]
-            if _tensor_kind(arg) is None and any(isinstance(v, torch.fx.Node) for v in values):
-                raise OnnxExportError(
-                    f"torch_opaque.onnx: argument '{arg.name}' of {qual} is a symbolic value at "
-                    f"{fx_node.name} (e.g. a dynamic size), but ONNX attributes are constants. "
-                    f"Make it static, or pass mapping={{'{qual}': <translation function>}} that "
-                    f"takes it as an input."
-                )
+        args = _bind(info.target, fx_node.args, fx_node.kwargs)
+        _refuse_symbolic(
+            args, qual, fx_node, "(e.g. a dynamic size)", f"Make it static, or pass mapping="
+            f"{{'{qual}': <translation function>}} that takes it as an input."
+        )
         if isinstance(mapped, str):
             if not onnx.defs.has(mapped):
                 raise OnnxExportError(
@@ -393,8 +422,60 @@ class _Exporter:
                     f"function with that attribute."
                 )
 
+    def _check_training(self, fx_node: torch.fx.Node, info: OpaqueInfo) -> None:
+        """A Name_fwd / Name_bwd call (Note [ONNX export of training programs])."""
+        qual = f"{info.qualified_name}_{info.role}"
+        if info.qualified_name in self.mapping:
+            raise OnnxExportError(
+                f"torch_opaque.onnx: mapping names {info.qualified_name}, but this training "
+                f"program calls its training forms {info.qualified_name}_fwd/_bwd, which keep "
+                f"the Function's own forward and backward as ONNX functions. Drop it from "
+                f"mapping= (or pass functions=False for bare custom nodes)."
+            )
+        if self.with_functions and info.python_overload is None:
+            raise OnnxExportError(
+                f"torch_opaque.onnx: {qual} belongs to an op defined in C++, so there is no "
+                f"Python forward/backward to turn into an ONNX function. Pass functions=False "
+                f"for bare custom nodes."
+            )
+        _refuse_symbolic(
+            _bind(info.target, fx_node.args, fx_node.kwargs), qual, fx_node,
+            "(e.g. a dynamic size the backward needs)",
+            "Export the training step with static shapes.",
+        )
+        try:
+            self.training.add(
+                info.target, _constants(info.target, fx_node.args, fx_node.kwargs), fx_node,
+                info.role,
+            )
+        except ValueError as e:
+            raise OnnxExportError(f"torch_opaque.onnx: {e}; ONNX export needs them alike.") from e
+
+    def _training_translation(self, info: OpaqueInfo) -> Callable:
+        target = info.target
+        op_type = f"{info.name}_{info.role}"
+
+        def translate(*args, **kwargs):
+            inputs, attrs = _split(target, args, kwargs)
+            shape = self.training.get(target, _constants(target, args, kwargs))
+            n_main = len(target._schema.returns) - 1
+            n = n_main + shape if info.role == "fwd" else len(shape)
+            outs = _call(info.namespace, op_type, CUSTOM_OPSET_VERSION, inputs, attrs, n)
+            outs = list(outs) if n > 1 else [outs]
+            self._emitted.append((outs[0].producer(), info))
+            if info.role == "fwd":
+                return [*outs[:n_main], ValueList(outs[n_main:])]
+            grads = [ir.Value(name=f"{op_type}_no_grad_{i}") for i in range(len(args[2]))]
+            for pos, value in zip(shape, outs):
+                grads[pos] = value
+            return grads
+
+        return translate
+
     def _translation(self, info: OpaqueInfo) -> Callable:
         """The custom_translation_table entry of an opaque op."""
+        if info.role != "op":
+            return self._training_translation(info)
         mapped, target = self.mapping.get(info.qualified_name), info.target
         if callable(mapped) and not isinstance(mapped, OnnxFunction):
             return mapped
@@ -425,8 +506,18 @@ class _Exporter:
                 f"node {node.name} (the torch.onnx exporter changed?). Pass functions=False."
             )
         template, fakes, key, names = [], [], [], []
-        for arg, value in bind(info.target._schema, fx_node.args, fx_node.kwargs):
+        for arg, value in _bind(info.target, fx_node.args, fx_node.kwargs):
             kind = _tensor_kind(arg)
+            if kind == "list" and value is not None and any(v is None for v in value):
+                template.append(("O", [v is None for v in value]))
+                names += [f"{arg.name}_{i}" for i in range(len(value))]
+                for v in value:
+                    if v is not None:
+                        fakes.append(v.meta["val"])
+                        key.append((str(fakes[-1].dtype), [_static(s) for s in fakes[-1].shape]))
+                    else:
+                        key.append(None)
+                continue
             if kind is None or value is None:
                 template.append(("C", value) if kind is None else ("N",))
                 names += [] if kind is None else [arg.name]
@@ -441,9 +532,10 @@ class _Exporter:
                 key.append((str(fake.dtype), [_static(s) for s in fake.shape]))
         digest = hashlib.sha1(repr((info.target.name(), key)).encode()).hexdigest()[:8]
         overload = f"{info.overload}_{digest}"
-        ident = (info.namespace, info.name, overload)
+        ident = (info.namespace, node.op_type, overload)
         if ident not in self.functions:
-            model = self._body_to_ir(info, self._trace_body(info, template, fakes))
+            body = self._body_module(info, template, fx_node)
+            model = self._body_to_ir(info, self._trace_body(info, body, fakes))
             # onnxruntime ignores the overload of calls made inside a function:
             # inline the functions the body calls.
             _add_functions(model, self.functions)
@@ -462,6 +554,13 @@ class _Exporter:
         except Exception as e:
             qual = info.qualified_name
             cause = _onnx_cause(e)
+            if info.role != "op":
+                raise OnnxExportError(
+                    f"torch_opaque.onnx: the {_part(info)} of {qual} "
+                    f"({info.function.display_name}) has no ONNX translation ({cause}), so the "
+                    f"ONNX function of {qual}_{info.role} in this training program cannot be "
+                    f"built. {_training_advice(qual)}"
+                ) from e
             raise OnnxExportError(
                 f"torch_opaque.onnx: the forward of {qual} ({info.function.display_name}) has "
                 f"no ONNX translation ({cause}), so its ONNX function cannot be built. Pass "
@@ -471,7 +570,16 @@ class _Exporter:
                 f"custom-op kernel for it)."
             ) from e
 
-    def _trace_body(self, info: OpaqueInfo, template, fakes) -> torch.export.ExportedProgram:
+    def _body_module(self, info: OpaqueInfo, template: list, fx_node) -> torch.nn.Module:
+        ov = info.python_overload
+        if info.role == "fwd":
+            return ForwardBody(ov, template, _rebuild)
+        if info.role == "bwd":
+            positions = tuple(i for i, g in enumerate(fx_node.meta["val"]) if g is not None)
+            return BackwardBody(info.function, ov, template, _rebuild, positions)
+        return _Body(ov, template)
+
+    def _trace_body(self, info: OpaqueInfo, body, fakes) -> torch.export.ExportedProgram:
         qual = info.qualified_name
         examples = tuple(
             torch.zeros([size_hint(s) for s in f.shape], dtype=f.dtype, device=f.device)
@@ -482,21 +590,21 @@ class _Exporter:
             or None
             for f in fakes
         )
-        advice = (
+        advice = _training_advice(qual) if info.role != "op" else (
             f"Pass mapping={{'{qual}': <ONNX op name or onnxscript function>}} to export it "
             f"another way, or functions=False to keep a bare custom node (no ONNX function; "
             f"onnxruntime then needs a custom-op kernel for it)."
         )
         try:
             body = torch.export.export(
-                _Body(info.python_overload, template), examples,
+                body, examples,
                 dynamic_shapes={"tensors": dynamic}, strict=False,
             )
         except Exception as e:
             first = (str(e).strip().splitlines() or [""])[0]
             raise OnnxExportError(
-                f"torch_opaque.onnx: the forward of {qual} ({info.function.display_name}) cannot "
-                f"be traced to ATen ops for its ONNX function ({type(e).__name__}: {first}). "
+                f"torch_opaque.onnx: the {_part(info)} of {qual} ({info.function.display_name}) "
+                f"cannot be traced to ATen ops for its ONNX function ({type(e).__name__}: {first}). "
                 f"{advice}"
             ) from e
         placeholders = [n for n in body.graph.nodes if n.op == "placeholder"]
@@ -504,11 +612,35 @@ class _Exporter:
             for d, s in enumerate(f.shape):
                 if _static(s) is None and _static(p.meta["val"].shape[d]) is not None:
                     raise OnnxExportError(
-                        f"torch_opaque.onnx: the forward of {qual} specialises dimension {d} of "
+                        f"torch_opaque.onnx: the {_part(info)} of {qual} specialises dimension {d} of "
                         f"tensor input {k}, which is dynamic where the op is called; its ONNX "
                         f"function would be wrong for other sizes. {advice}"
                     )
         return body
+
+
+def _refuse_symbolic(args: list, qual: str, fx_node, example: str, advice: str) -> None:
+    """Non-tensor arguments become ONNX attributes, which are constants."""
+    for arg, value in args:
+        values = value if isinstance(value, (list, tuple)) else [value]
+        if _tensor_kind(arg) is None and any(isinstance(v, torch.fx.Node) for v in values):
+            raise OnnxExportError(
+                f"torch_opaque.onnx: argument '{arg.name}' of {qual} is a symbolic value at "
+                f"{fx_node.name} {example}, but ONNX attributes are constants. {advice}"
+            )
+
+
+def _part(info: OpaqueInfo) -> str:
+    return "backward" if info.role == "bwd" else "forward"
+
+
+def _training_advice(qual: str) -> str:
+    return (
+        f"Pass functions=False to keep bare custom nodes (no ONNX functions; onnxruntime then "
+        f"needs custom-op kernels for {qual}_fwd and {qual}_bwd); mapping= translates only the "
+        f"inference op {qual}, so export the inference program (torch.export.export) with "
+        f"mapping={{'{qual}': ...}} to translate it yourself."
+    )
 
 
 def _onnx_cause(e: BaseException) -> str:
@@ -545,6 +677,11 @@ def _to_function(model: ir.Model, ident: tuple, node: ir.Node, template: list, n
             graph.inputs.extend(next(body_inputs) for _ in range(t[1]))
         elif t[0] == "N":
             graph.inputs.append(ir.Value(name=f"unused_input_{i}"))
+        elif t[0] == "O":
+            graph.inputs.extend(
+                ir.Value(name=f"unused_input_{i}_{j}") if none else next(body_inputs)
+                for j, none in enumerate(t[1])
+            )
     taken = {v.name for n in graph for v in n.outputs}
     for value, name in zip(graph.inputs, names):
         if name not in taken:

@@ -141,14 +141,3 @@ def test_auto_mode_functions_travel_too():
     assert any("Cube" in str(n.target) and "_bwd" in str(n.target) for n in step.graph.nodes)
     loss, gw = step.module()(x)
     torch.testing.assert_close(gw, (3 * (x * m.w) ** 2 * x).sum(0).detach())
-
-
-def test_saving_a_training_program_is_refused_with_the_reason(tmp_path):
-    step = torch_opaque.export_training(Net(), (torch.randn(5, 4), torch.randn(5, 2)))
-    with pytest.raises(torch_opaque.ArchiveError) as info:
-        torch_opaque.save(step, tmp_path / "step.pt2")
-    msg = str(info.value)
-    assert msg.startswith("torch_opaque.save: the program calls opaque::Train") and (
-        "training programs (torch_opaque.export_training) cannot be saved" in msg
-    ), msg
-    assert not (tmp_path / "step.pt2").exists()

@@ -112,6 +112,10 @@ class VariantRecord:
     grads: list  # argument positions the stored backward returns gradients for
     fwd: str  # extra file names of the programs
     bwd: str
+    # the ctx state string the Function's forward recorded for this kind of call:
+    # a training program's Name_bwd calls carry it (Note [Stored backward of
+    # training programs] in stored.py); None in archives written before.
+    state: Optional[str] = None
 
     def saved_codes(self) -> list:
         """The (kind, index, item) integer triples the C++ forward record uses."""
@@ -131,6 +135,7 @@ class VariantRecord:
             "grads": list(self.grads),
             "fwd": self.fwd,
             "bwd": self.bwd,
+            **({"state": self.state} if self.state is not None else {}),
         }
 
 
@@ -384,6 +389,7 @@ def _variant(version: int, position: int, n_out: int, n_args: int):
             grads=grads,
             fwd=o.get("fwd", _str(_PROGRAM_RE, 64)),
             bwd=o.get("bwd", _str(_PROGRAM_RE, 64)),
+            state=o.get("state", _str(max_len=1 << 16), default=None),
         )
 
     return check

@@ -14,6 +14,7 @@ from ..ops import opaque_nodes, schema_or_none
 from .._impl.function import function_for_op
 from .._impl.schema import schema_arguments
 from . import stored as S
+from .optional_outputs import optional_tensor_list_results
 from .manifest import MANIFEST, Calls, Manifest, OpEntry, OverloadRecord
 from .trace import store_overload
 from .zipio import describe
@@ -103,24 +104,6 @@ def _overload_record(rec: _OpCalls, overload: str) -> OverloadRecord:
     return ov
 
 
-def _check_serializable(ep) -> None:
-    """torch's serializer cannot write a ``Tensor?[]`` result that holds None,
-    which a training program's ``Name_bwd`` calls have when an argument gets no
-    gradient: say so before anything is written, instead of torch's
-    SerializeError."""
-    for gm in _graph_modules(ep):
-        for node, info in opaque_nodes(gm):
-            val = node.meta.get("val")
-            if info.role == "bwd" and isinstance(val, (list, tuple)) and None in val:
-                raise ArchiveError(
-                    f"torch_opaque.save: the program calls {info.qualified_name}_bwd (node "
-                    f"'{node.name}'), a training program's backward, and some of its gradients "
-                    f"are None; torch's serializer cannot write such a Tensor?[] result yet, so "
-                    f"training programs (torch_opaque.export_training) cannot be saved. Save "
-                    f"the inference program (torch.export.export) instead."
-                )
-
-
 def save(ep, path, *, self_contained: bool = False) -> None:
     """``torch.export.save`` plus a manifest of the program's opaque ops.
 
@@ -135,7 +118,6 @@ def save(ep, path, *, self_contained: bool = False) -> None:
         raise TypeError(
             f"torch_opaque.save expects a torch.export.ExportedProgram, got {type(ep).__name__}"
         )
-    _check_serializable(ep)
     records: dict = {}
     worklist = _collect(_graph_modules(ep), records, count=True)
     files: dict = {}
@@ -179,6 +161,7 @@ def save(ep, path, *, self_contained: bool = False) -> None:
     extra = {MANIFEST: manifest.to_json()}
     extra.update(files)
     try:
-        torch.export.save(ep, path, extra_files=extra)
+        with optional_tensor_list_results():  # Name_bwd results (training programs)
+            torch.export.save(ep, path, extra_files=extra)
     except RuntimeError as e:
         raise ArchiveError(f"torch_opaque.save: cannot write {describe(path)}: {e}") from e

@@ -134,6 +134,32 @@ def _call_summary(schema, args) -> str:
     return "(" + ", ".join(parts) + ")"
 
 
+def _saved_fits(v: _Variant, saved) -> bool:
+    """Whether a ``_bwd`` call's saved tensors are those of variant ``v``: as
+    many, None in the same places, the dtypes of saved inputs alike."""
+    if len(saved) != len(v.saved_none):
+        return False
+    for t, none, rec in zip(saved, v.saved_none, v.record.saved):
+        if (t is None) != none:
+            return False
+        if t is not None and rec.kind == "input" and v.args[rec.index].kind == "tensor":
+            if dtype_name(t.dtype) != v.args[rec.index].tensor.dtype:
+                return False
+    return True
+
+
+# Note [Stored backward of training programs]
+# A training program (torch_opaque.export_training) calls ``Name_fwd`` and
+# ``Name_bwd`` itself; its ``Name_bwd`` calls carry the state string the
+# Function's forward recorded (its ctx attributes), not the variant id the
+# stored forward records. Saving self-contained stores the kinds of call of the
+# ``Name_fwd`` nodes as usual, each with the state its traced forward recorded
+# (VariantRecord.state), and the stored ``Name_bwd`` kernel (real and fake)
+# finds its variant by that state and the saved tensors; the graph is saved
+# unchanged, so it loads the same with the real Function (allow=) or from the
+# stored programs.
+
+
 class StoredOverload:
     """Kernels of one overload re-created from stored programs."""
 
@@ -202,15 +228,23 @@ class StoredOverload:
                 res[pos] = g
         return tuple(res)
 
-    def _variant_of_state(self, state: str) -> _Variant:
-        try:
+    def _variant_of_state(self, state: str, saved=None) -> _Variant:
+        """The variant a ``_bwd`` call belongs to: ``state`` is the variant's id
+        when the stored forward ran, or the Function's own ctx state when the
+        call comes from a saved training program (Note [Stored backward of
+        training programs])."""
+        if state.isdigit() and int(state) < len(self.variants):
             return self.variants[int(state)]
-        except (ValueError, IndexError):
-            raise RuntimeError(
-                f"torch_opaque: {self.qual}_bwd.{self.overload} (re-created from stored "
-                f"programs) was called with state {state!r} that its forward did not produce; "
-                f"a graph traced in the saving process cannot call the stored backward."
-            ) from None
+        for v in self.variants:
+            if v.record.state == state and (saved is None or _saved_fits(v, saved)):
+                return v
+        raise RuntimeError(
+            f"torch_opaque: {self.qual}_bwd.{self.overload} (re-created from stored "
+            f"programs) was called with state {state[:200]!r}, which none of its stored "
+            f"forward calls {_covered(self.variants)} recorded (with these saved tensors); "
+            f"save the program again with self_contained=True, or load it with "
+            f"allow=[<defining module>] to run the original Function."
+        )
 
     # fake kernels (called from Python by PyTorch)
     def fake_fwd(self, *args, **kwargs):
@@ -232,7 +266,7 @@ class StoredOverload:
         return outs[0] if len(outs) == 1 else outs
 
     def fake_bwd(self, saved, grads, needs_input_grad, state, state_ints):
-        v = self._variant_of_state(state)
+        v = self._variant_of_state(state, saved)
         flat = [t for t, none in zip(saved, v.saved_none) if not none]
         out = v.bwd.forward([*flat, *grads, *state_ints])
         out = list(out) if isinstance(out, (tuple, list)) else [out]
@@ -286,7 +320,7 @@ class _StoredBackwardRunner(BackwardChecks):
         self.tensor_flags = tensor_flags(sov.schema)
 
     def decode_ctx(self, state: str, saved: tuple, state_ints) -> tuple:
-        return saved, {"variant": self.sov._variant_of_state(state), "state_ints": state_ints}
+        return saved, {"variant": self.sov._variant_of_state(state, saved), "state_ints": state_ints}
 
 
 # Note [Stored ops beside real ones]

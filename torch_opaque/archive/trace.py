@@ -17,6 +17,7 @@ from .._impl.bridge import SavedKind, saved_triples
 from .._impl.kernels import BackwardRunner, Runner
 from .._impl.tracing import size_hint
 from ..errors import ArchiveError
+from .optional_outputs import optional_tensor_list_results
 from .manifest import PROGRAM_PREFIX, SAVED_KIND_NAMES, ArgRecord, SavedRecord, TensorSig, VariantRecord
 from .._impl.calls import full_args, tensor_kind
 from .values import decode_value, dtype_name, encode_value, normalize_value
@@ -168,7 +169,8 @@ def _rebuild_args(desc, flat: list) -> list:
 
 def _program_bytes(prog) -> str:
     buf = io.BytesIO()
-    torch.export.save(prog, buf)
+    with optional_tensor_list_results():
+        torch.export.save(prog, buf)
     return base64.b64encode(buf.getvalue()).decode("ascii")
 
 
@@ -208,16 +210,14 @@ def store_overload(rec, overload: str, files: dict, counter: list, fn, stored) -
             f"library that defines it before torch_opaque.load."
         )
     info = rec.overloads[overload]
-    if info["calls"]["bwd"] or any(i.role == "bwd" for _, i in info["sites"]):
-        raise ArchiveError(
-            f"torch_opaque.save(self_contained=True): the program calls {rec.qualified_name}_bwd "
-            f"(a training graph's backward); stored programs can only replace the forward "
-            f"forms {rec.qualified_name} and {rec.qualified_name}_fwd."
-        )
     schema = rec.overload_packet(overload)._schema
     seen: dict = {}
     variants, programs = [], []
-    for node, _info in info["sites"]:
+    for node, site in info["sites"]:
+        if site.role == "bwd":
+            # a training program's backward: it runs the stored backward of the
+            # variant of its forward call (Note [Stored backward of training programs])
+            continue
         try:
             desc, flat, dyn = _site_signature(schema, node)
         except (ValueError, TypeError) as e:
@@ -329,6 +329,7 @@ def _trace_variant(fn, overload, schema, desc, flat, dyn) -> tuple:
         grads=list(box[-1]),
         fwd="",
         bwd="",
+        state=state,
     )
     return entry, fwd_prog, bwd_prog
 
