@@ -143,9 +143,10 @@ PyObject* set_materialize_grads(PyObject* o, PyObject* value) {
 PyObject* mark_dirty(PyObject* o, PyObject*) {
   auto* self = reinterpret_cast<ForwardContext*>(o);
   PyObject* msg = PyUnicode_FromFormat(
-      "%S: ctx.mark_dirty() (an in-place Function) is not supported by torch_opaque: an "
-      "operator that mutates its input needs a mutable schema. Return a new tensor instead "
-      "of modifying the input, or keep this Function unwrapped.",
+      "%S: ctx.mark_dirty() was called from code other than the Function's own forward "
+      "(a helper it calls); torch_opaque recognises in-place Functions by a "
+      "ctx.mark_dirty call in forward itself (Note [In-place Functions]). Call "
+      "ctx.mark_dirty in forward, or keep this Function unwrapped.",
       self->fn_name);
   if (!msg) return nullptr;
   raise_unsupported(msg);
@@ -169,7 +170,7 @@ PyMethodDef forward_methods[] = {
      "Mark outputs as not requiring grad."},
     {"set_materialize_grads", set_materialize_grads, METH_O,
      "Whether undefined output gradients reach the backward as zeros (default) or None."},
-    {"mark_dirty", mark_dirty, METH_VARARGS, "Refused: in-place Functions are not supported."},
+    {"mark_dirty", mark_dirty, METH_VARARGS, "Refused here: in-place Functions are recognised from their forward's code."},
     {nullptr, nullptr, 0, nullptr}};
 
 PyMemberDef forward_members[] = {

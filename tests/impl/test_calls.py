@@ -98,3 +98,21 @@ def test_tensor_flags_and_bind():
     x = torch.ones(1)
     pairs = bind(FWD, (x,), {"w": None, "needs_input_grad": [True]})
     assert [(a.name, v) for a, v in pairs] == [("x", x), ("w", None), ("n", 3), ("s", 0.5)]
+
+
+BWD = torch._C.parse_schema(  # as csrc/opaque_op.cpp defines `_bwd`
+    "ns::f_bwd(Tensor?[] saved, Tensor?[] grads, bool[] needs_input_grad, str state, "
+    "SymInt[] state_ints) -> Tensor?[]"
+)
+
+
+def test_the_bwd_schemas_needs_input_grad_is_an_argument_like_the_others():
+    # Only `_fwd`'s trailing flags are left out; `_bwd` takes its own as an argument.
+    s, g = [torch.zeros(2)], [torch.ones(2)]
+    assert CallSignature.of_schema(BWD).names == (
+        "saved", "grads", "needs_input_grad", "state", "state_ints")
+    assert full_args(BWD, (s, g), {"needs_input_grad": [True], "state": "", "state_ints": []}) == [
+        s, g, [True], "", []]
+    bound = bind(BWD, (s, g, [False], "st", [3]), {})
+    assert [(a.name, v) for a, v in bound][2:] == [
+        ("needs_input_grad", [False]), ("state", "st"), ("state_ints", [3])]

@@ -38,8 +38,11 @@ class CallSignature:
 
     @classmethod
     def of_schema(cls, schema, name: Optional[str] = None) -> "CallSignature":
-        """The signature of a FunctionSchema (without `_fwd`'s needs_input_grad)."""
-        args = [a for a in schema.arguments if a.name != NEEDS_INPUT_GRAD]
+        """The signature of a FunctionSchema (without `_fwd`'s trailing
+        needs_input_grad; `_bwd`'s needs_input_grad is one of its arguments)."""
+        args = list(schema.arguments)
+        if args and args[-1].name == NEEDS_INPUT_GRAD and schema.name.endswith("_fwd"):
+            args.pop()
         return cls(
             name or schema.name,
             [a.name for a in args],
@@ -81,6 +84,8 @@ class CallSignature:
         """(args, kwargs, needs_input_grad) of a call that may be a `_fwd` call,
         whose trailing needs_input_grad is separated (None when absent: a call
         of the op itself, or one that leaves it to its default)."""
+        if NEEDS_INPUT_GRAD in self.names:  # `_bwd`: an argument like the others
+            return tuple(args), dict(kwargs), None
         kwargs = dict(kwargs)
         needs = kwargs.pop(NEEDS_INPUT_GRAD, None)
         n = len(self.names)
@@ -126,5 +131,6 @@ def full_args(schema, args: Sequence, kwargs: dict) -> list:
 
 def bind(schema, args: Sequence, kwargs: dict) -> list:
     """(schema argument, value) for every argument of a call."""
-    values = CallSignature.of_schema(schema).arguments(args, kwargs)
-    return list(zip((a for a in schema.arguments if a.name != NEEDS_INPUT_GRAD), values))
+    sig = CallSignature.of_schema(schema)
+    values = sig.arguments(args, kwargs)
+    return list(zip(schema.arguments[: len(sig.names)], values))

@@ -35,7 +35,8 @@ from ..errors import UnsupportedError
 # Note [ctx types] (csrc/python/context_types.h): both are C types, like
 # autograd.Function's own ctx. ForwardContext(fn_name, needs_input_grad) has
 # save_for_backward / saved_tensors, needs_input_grad, mark_non_differentiable,
-# set_materialize_grads, save_for_forward (ignored), and refuses mark_dirty;
+# set_materialize_grads, save_for_forward (ignored), and refuses mark_dirty
+# (in-place Functions shadow it per call: Note [In-place Functions], in_place.py);
 # BackwardContext(fn_name, saved_tensors, needs_input_grad, attrs) has
 # saved_tensors (saved_variables), needs_input_grad and the forward's attributes.
 # Their __dict__ holds exactly the user's attributes.

@@ -37,7 +37,7 @@ from ..errors import FakeForwardError, SchemaError
 from ..hooks import apply as _apply_hook
 from .kernels import BackwardRunner, FakeRunner, InferenceFake, Runner, check_tensor_outputs
 from .kernels import make_backward_fake
-from . import batching, forward_ad
+from . import batching, forward_ad, in_place
 from .schema import kinds_key, returns_from_hint, specs_from_hints, type_hints
 from .schema import schema_arguments, specs_from_values
 from .tracing import one_plain_sample, real_shaped
@@ -99,9 +99,11 @@ class Overload:
         self.overload = overload
         self.name = overload or "default"
         name = fn.display_name
-        forward = fn.cls.forward
+        forward = fn.forward
         setup = fn.cls.setup_context if fn.setup_style else None
         user_fake = getattr(fn.cls, "fake", None)
+        if user_fake is not None and fn.dirty:
+            user_fake = in_place.dirty_forward(fn, user_fake)
         self.runner = Runner(name, forward, setup, specs, n_out)
         fake_runner = FakeRunner(
             name, user_fake or forward, setup, specs, n_out, has_user_fake=user_fake is not None
@@ -214,6 +216,17 @@ class OpaqueFunction:
         # Note [Direct apply] (csrc/python/direct_apply.h): the argument-type
         # signatures the C-level Cls.apply already routes to an overload.
         self.direct_keys: set = set()
+        # Note [In-place Functions] (in_place.py)
+        self.dirty = in_place.uses_mark_dirty(cls)
+        self.dirty_pairs = None  # ((output index, argument index), ...) once known
+        if self.dirty:
+            in_place.check_supported(self)
+
+    @property
+    def forward(self):
+        """The forward the op's kernels run (Note [In-place Functions])."""
+        forward = self.cls.forward
+        return in_place.dirty_forward(self, forward) if self.dirty else forward
 
     @property
     def cls(self) -> type:
@@ -257,6 +270,9 @@ class OpaqueFunction:
         primed = None
         if ov is None:
             ov, primed = self._first_call(values)
+        if self.dirty:
+            out = ov.call_primed(values, *primed) if primed is not None else ov(values)
+            return in_place.write_back(self, values, out)
         if self.explicit and not kwargs and len(args) == len(values):
             key = tuple(map(type, args))
             if key not in self.direct_keys and list not in key and tuple not in key:
@@ -355,7 +371,7 @@ class OpaqueFunction:
         if self.hint_specs is None:  # schema errors before the forward runs
             specs_from_values(names, values, self.defaults, self.display_name)
         setup = self.cls.setup_context if self.setup_style else None
-        runner = Runner(self.display_name, self.cls.forward, setup, [], -1, arg_names=names)
+        runner = Runner(self.display_name, self.forward, setup, [], -1, arg_names=names)
         out, ctx = runner.run_first(needs, values)
         return self.overload_for(values, outputs=out), (out, ctx)
 
@@ -368,7 +384,8 @@ class OpaqueFunction:
         setup = self.cls.setup_context if self.setup_style else None
         runner = FakeRunner(
             self.display_name,
-            user_fake or self.cls.forward,
+            (in_place.dirty_forward(self, user_fake) if user_fake and self.dirty else user_fake)
+            or self.forward,
             setup,
             specs,
             n_out=-1,
@@ -398,7 +415,7 @@ class OpaqueFunction:
 
             plain = [one_plain_sample(v) for v in values]
             with torch.no_grad(), temporarily_clear_interpreter_stack():
-                out = Runner(self.display_name, self.cls.forward, setup, specs, -1).call_user(
+                out = Runner(self.display_name, self.forward, setup, specs, -1).call_user(
                     ForwardContext(self.display_name, (False,) * len(values)), plain
                 )
         return _output_structure(self.display_name, out)

@@ -57,6 +57,7 @@ from typing import Optional
 
 import torch
 
+from .._impl.in_place import uses_mark_dirty
 from .._impl.tracing import real_shaped
 from .apply import ORIGINAL_APPLY
 
@@ -132,22 +133,14 @@ def _torch_owned(cls) -> bool:
     return module == "torch" or module.startswith(("torch.", "torch_opaque"))
 
 
-def _uses_mark_dirty(cls) -> bool:
-    for name in ("forward", "setup_context"):
-        code = getattr(getattr(cls, name, None), "__code__", None)
-        if code is not None and "mark_dirty" in code.co_names:
-            return True
-    return False
-
-
 def eligible(cls: type) -> Optional[str]:
     """None when auto mode should wrap ``cls``; otherwise why not."""
     if _torch_owned(cls):
         return "it belongs to PyTorch"
     if cls.backward is torch.autograd.Function.backward:
         return "it defines no backward"
-    if _uses_mark_dirty(cls):
-        return "its forward calls ctx.mark_dirty (an in-place Function; an op may not mutate its inputs)"
+    if uses_mark_dirty(cls):
+        return "its forward calls ctx.mark_dirty (an in-place Function; auto() keeps those stock)"
     return None
 
 
