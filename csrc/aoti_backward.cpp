@@ -120,6 +120,8 @@ TORCH_LIBRARY_FRAGMENT(torch_opaque, m) {
   m.def("call_bwd(str op, bool[] present, Tensor?[] saved, Tensor?[] grads, "
         "bool[] needs_input_grad, str state, SymInt[] state_ints) -> Tensor[]",
         {at::Tag::pt2_compliant_tag});
-  m.impl("call_bwd", torch::dispatch(c10::DispatchKey::CompositeExplicitAutograd,
-                                     torch::CppFunction::makeFromBoxedFunction<&torch_opaque::detail::call_bwd>()));
+  m.impl("call_bwd",
+         torch::dispatch(c10::DispatchKey::CompositeExplicitAutograd,
+                         torch::CppFunction::makeFromBoxedFunction<
+                             &torch_opaque::detail::call_bwd>()));
 }
