@@ -159,12 +159,6 @@ class _Exporter(FunctionBodies):
             ident = (proto.domain, proto.name, proto.overload)
             if ident not in self.functions:
                 self.functions[ident] = ir.serde.deserialize_function(proto)
-        elif self.with_functions and info.python_overload is None:
-            raise OnnxExportError(
-                f"torch_opaque.onnx: {qual} is defined in C++, so there is no Python forward to "
-                f"turn into an ONNX function. Pass mapping={{'{qual}': <ONNX op name or "
-                f"onnxscript function>}}, or functions=False for a bare custom node."
-            )
         else:
             return
         for arg, value in args:
@@ -185,12 +179,6 @@ class _Exporter(FunctionBodies):
                 f"program calls its training forms {info.qualified_name}_fwd/_bwd, which keep "
                 f"the Function's own forward and backward as ONNX functions. Drop it from "
                 f"mapping= (or pass functions=False for bare custom nodes)."
-            )
-        if self.with_functions and info.python_overload is None:
-            raise OnnxExportError(
-                f"torch_opaque.onnx: {qual} belongs to an op defined in C++, so there is no "
-                f"Python forward/backward to turn into an ONNX function. Pass functions=False "
-                f"for bare custom nodes."
             )
         _refuse_symbolic(
             bind_call(info.target, fx_node.args, fx_node.kwargs), qual, fx_node,
