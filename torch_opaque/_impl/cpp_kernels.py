@@ -5,14 +5,19 @@ csrc/python/kernel_below_autograd.h): what :class:`~.tracing.ForwardTrace` and
 :class:`~.tracing.BackwardTrace` call for ops that have no Python Function,
 as ``kernels.Runner`` / ``kernels.BackwardRunner`` are for those that do.
 
-Example (``example::scaled_sin`` from examples/cpp)::
+Example (``example::scaled_sin`` of examples/cpp, built by scripts/dev.sh)::
 
-    >>> import torch, torch_opaque
-    >>> from torch_opaque._impl.cpp_kernels import CppRunner
-    >>> runner = CppRunner("example", "scaled_sin", "default")  # doctest: +SKIP
-    >>> outs, residuals, record = runner.run([True, False], [torch.zeros(2), 3.0])  # doctest: +SKIP
-    >>> outs, record[3]  # doctest: +SKIP
-    ((tensor([0., 0.]),), '...')
+    >>> import pathlib, torch, torch_opaque
+    >>> from torch_opaque._impl.cpp_kernels import CppBackward, CppRunner
+    >>> root = pathlib.Path(torch_opaque.__file__).parents[1]
+    >>> torch_opaque.load_library(root / "build" / "examples_cpp" / "libexample_ops.so")
+    >>> x = torch.tensor([0.0, 1.0])
+    >>> outs, residuals, record = CppRunner("example", "scaled_sin", "default").run([True, False], [x, 3.0])
+    >>> torch.allclose(outs[0], x.sin() * 3.0), residuals, record[0]  # x is saved: input 0
+    (True, [], [1, 0, 0])
+    >>> grads = CppBackward("example", "scaled_sin", "default")([x], [torch.ones(2)], [True, False], record[3], record[4])
+    >>> torch.allclose(grads[0], x.cos() * 3.0), grads[1]
+    (True, None)
 """
 
 from __future__ import annotations
