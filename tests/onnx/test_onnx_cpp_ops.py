@@ -98,3 +98,27 @@ def test_a_kernel_that_is_not_made_of_aten_ops_names_the_op_and_the_ways_out():
     proto = torch_opaque.onnx.export(Looped(), (x,), functions=False)
     assert custom(proto) == ["scaled_sin", "square_loop"]
     assert list(proto.functions) == []
+
+
+class ListOps(torch.nn.Module):
+    def forward(self, a, b, w):
+        return torch.ops.example.weighted_sum([a, b], w)
+
+
+def test_a_tensor_list_argument_gets_its_function_body():
+    args = (torch.randn(3), torch.randn(3), torch.tensor([0.5, 2.0]))
+    proto = torch_opaque.onnx.export(ListOps(), args)
+    assert custom(proto) == ["weighted_sum"]
+    (got,) = run_ort(proto, *args)
+    np.testing.assert_allclose(got, ListOps()(*args).numpy(), rtol=1e-6)
+
+
+def test_a_tensor_list_result_is_refused_by_name():
+    class Means(torch.nn.Module):
+        def forward(self, x):
+            m1, m2 = torch.ops.example.power_means(x, [1, 2])
+            return m1 + m2
+
+    with pytest.raises(OnnxExportError, match=r"example::power_means returns Tensor\[\].*"
+                       r"functions=False"):
+        torch_opaque.onnx.export(Means(), (torch.rand(4, 3),))

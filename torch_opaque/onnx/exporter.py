@@ -136,6 +136,8 @@ class _Exporter(FunctionBodies):
     def _check(self, fx_node: torch.fx.Node, info: OpaqueInfo) -> None:
         qual, mapped = info.qualified_name, self.mapping.get(info.qualified_name)
         self.seen.add(qual)
+        if self.with_functions and mapped is None:
+            _refuse_list_results(info)
         if info.role != "op":
             self._check_training(fx_node, info)
             return
@@ -236,6 +238,19 @@ class _Exporter(FunctionBodies):
             return outs
 
         return translate
+
+
+def _refuse_list_results(info: OpaqueInfo) -> None:
+    """A C++ op returning ``Tensor[]`` has one ONNX output per element, which
+    its custom node cannot declare yet."""
+    returns = info.overload_of("op")._schema.returns
+    if any(isinstance(r.type, torch.ListType) for r in returns):
+        raise OnnxExportError(
+            f"torch_opaque.onnx: {info.qualified_name} returns Tensor[], whose elements its ONNX "
+            f"node cannot declare as outputs, so it gets no ONNX function. Pass functions=False "
+            f"to keep a bare custom node (onnxruntime then needs a custom-op kernel for it), or "
+            f"mapping={{'{info.qualified_name}': <translation function>}}."
+        )
 
 
 def _refuse_symbolic(args: list, qual: str, fx_node, example: str, advice: str) -> None:
