@@ -4,6 +4,9 @@
 #include <ATen/core/grad_mode.h>
 #include <ATen/core/stack.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
+#include <c10/util/Exception.h>
+
+#include <string>
 
 namespace torch_opaque::detail {
 namespace {
@@ -60,7 +63,25 @@ void BackwardAutogradKernel::operator()(const c10::OperatorHandle& handle,
     constexpr c10::DispatchKeySet functorch_keys({c10::DispatchKey::FuncTorchDynamicLayerBackMode,
                                                   c10::DispatchKey::FuncTorchGradWrapper});
     const c10::DispatchKeySet to_kernel = (keys & c10::after_ADInplaceOrView_keyset) - functorch_keys;
-    handle.redispatchBoxed(to_kernel, stack);
+    if (!keys.has(c10::DispatchKey::FuncTorchDynamicLayerBackMode)) {
+      handle.redispatchBoxed(to_kernel, stack);
+      return;
+    }
+    try {
+      handle.redispatchBoxed(to_kernel, stack);
+    } catch (const std::exception& e) {
+      // Inside a level functorch's own entry key is off: a stock Function
+      // the backward calls cannot find its transform rules.
+      const std::string what = e.what();
+      if (what.find("HigherOrderOperator custom_function_call") == std::string::npos) throw;
+      TORCH_CHECK_NOT_IMPLEMENTED(
+          false, "torch_opaque: ", handle.schema().name(),
+          ": the backward calls a stock autograd.Function, which is not supported yet where "
+          "torch.func runs this backward per sample inside a transform level (jacrev(jacrev(f)), "
+          "hessian, and vmap over a grad of a grad). Wrap that Function with torch_opaque.op "
+          "too, or compute the derivative with torch.autograd.grad(create_graph=True). "
+          "The error was: ", what);
+    }
     return;
   }
   at::AutoDispatchBelowADInplaceOrView below;

@@ -188,3 +188,23 @@ def test_numpy_backward_under_grad_raises_clearly():
     xr = x.clone().requires_grad_()
     (g,) = torch.autograd.grad(ours.apply(xr).sum(), xr)
     torch.testing.assert_close(g, torch.cos(x))
+
+
+# Their backwards call other stock Functions (NumpyMul, MulGenVmap).
+STOCK_FUNCTION_IN_BACKWARD = ["MulGenVmapAutogradFunction", "NumpyCubeAutogradFunction"]
+
+
+@pytest.mark.parametrize("name", STOCK_FUNCTION_IN_BACKWARD)
+def test_stock_function_in_backward_per_sample_in_a_level_raises_clearly(name):
+    """jacrev(jacrev(f)): the inner backward runs per sample inside a transform
+    level, where a stock Function it calls cannot run yet: a clear error (stock
+    gives values), never a wrong result."""
+    g_ref, g, ts = next(each_case(name))
+
+    def second(fn):
+        return jacrev(jacrev(lambda a: sum(o.sum() for o in fn(a, *ts[1:]))))(ts[0])
+
+    assert isinstance(second(g_ref), torch.Tensor)
+    with pytest.raises(NotImplementedError, match=r"torch_opaque: .*the backward calls a stock "
+                       r"autograd.Function, which is not supported yet"):
+        second(g)
