@@ -1,5 +1,6 @@
 #include "autograd_kernel.h"
 #include "forward_ad.h"
+#include "in_place.h"
 
 #include <ATen/core/List.h>
 #include <ATen/core/stack.h>
@@ -171,6 +172,10 @@ void AutogradKernel::operator()(const c10::OperatorHandle& handle,
   std::shared_ptr<OpaqueOp> op = op_.lock();
   TORCH_INTERNAL_ASSERT(op, "opaque op used after its definition was destroyed");
   if (has_forward_grads(*stack, op->num_arguments())) {
+    TORCH_CHECK_NOT_IMPLEMENTED(
+        forward_op_ || op->definition().dirty.empty(), "torch_opaque: ", op->qualified_name(),
+        " modifies its arguments in place (ctx.mark_dirty); forward-mode AD through an "
+        "in-place op is not supported. Pass a copy (x.clone()) or use reverse mode.");
     run_with_forward_grads(*op, stack, [&](torch::jit::Stack* s) { reverse(op, handle, keys, s); });
     return;
   }
@@ -233,12 +238,20 @@ void AutogradKernel::reverse(const std::shared_ptr<OpaqueOp>& op,
       }
     }
   }
+  // `ns::Name` of an in-place op: the arguments it modifies (Note [In-place ops]).
+  const OpDefinition& def = op->definition();
+  std::vector<at::Tensor> dirty;
+  if (!forward_op_ && !def.dirty.empty()) dirty = dirty_arguments(def, *stack, n_args);
   if (!any) {
     if (forward_op_) stack->push_back(std::move(fwd_flags));
-    at::AutoDispatchBelowADInplaceOrView guard;
-    handle.redispatchBoxed(keys & c10::after_ADInplaceOrView_keyset, stack);
+    {
+      at::AutoDispatchBelowADInplaceOrView guard;
+      handle.redispatchBoxed(keys & c10::after_ADInplaceOrView_keyset, stack);
+    }
+    bump_versions(dirty);
     return;
   }
+  check_in_place(def, dirty, n_out);
 
   // Keep the inputs: they become next edges and may be saved.
   c10::SmallVector<c10::IValue, 8> inputs(stack->end() - n_args, stack->end());
@@ -284,6 +297,7 @@ void AutogradKernel::reverse(const std::shared_ptr<OpaqueOp>& op,
       torch::autograd::collect_next_edges(at::ArrayRef<at::Tensor>(edge_tensors)));
 
   for (size_t k = 0; k < outputs.size(); ++k) {
+    if (!dirty.empty() && rebase_dirty_output(def, dirty, k, outputs, node)) continue;
     const at::Tensor& out = outputs[k];
     const bool diff = out.defined() && (non_diff.empty() || !non_diff[k]) &&
         torch::autograd::isDifferentiableType(out.scalar_type());
@@ -334,6 +348,10 @@ void AutogradKernel::reverse(const std::shared_ptr<OpaqueOp>& op,
     }
   }
   if (forward_op_) stack->emplace_back(std::move(residuals));
+  const size_t first = stack->size() - n_out;
+  for (size_t k = n_out; !dirty.empty() && k-- > 0;) {  // `ns::Name` returns the others
+    if (dirty_argument(def, k)) stack->erase(stack->begin() + first + k);
+  }
 }
 
 } // namespace torch_opaque::detail

@@ -116,9 +116,12 @@ class Overload:
                 r.encode_ctx = _exact_encoder(r)
         bwd = BackwardRunner(name, backward, specs)
         arguments = schema_arguments(specs)
+        # Note [In-place Functions] (in_place.py): ((output, argument), ...)
+        self.dirty = in_place.dirty_pairs(fn, specs) if fn.dirty else ()
         try:
             self.handle = _C.define_op(
-                fn.namespace, fn.name, overload, arguments, ["Tensor"] * n_out, self.runner, bwd
+                fn.namespace, fn.name, overload, arguments, ["Tensor"] * n_out, self.runner, bwd,
+                self.dirty,
             )
         except RuntimeError as e:
             if "cannot define" not in str(e):
@@ -133,7 +136,7 @@ class Overload:
         self.fwd_op = getattr(getattr(ns, fn.name + "_fwd"), self.name)
         self.bwd_op = getattr(getattr(ns, fn.name + "_bwd"), self.name)
         source = f"torch_opaque wrap of {name}"
-        _register_fake(fn.lib, self.op, InferenceFake(fake_runner), source)
+        _register_fake(fn.lib, self.op, InferenceFake(fake_runner, self.dirty), source)
         _register_fake(fn.lib, self.fwd_op, fake_runner, source)
         _register_fake(fn.lib, self.bwd_op, make_backward_fake(bwd, name), source)
         self.bwd_runner = bwd
@@ -144,6 +147,8 @@ class Overload:
 
     def __call__(self, args):
         out = self.op(*args)
+        if self.dirty:
+            return in_place.results(self, args, out)
         if self.returns_tuple and self.n_out == 1:
             return (out,)
         return out
@@ -270,9 +275,8 @@ class OpaqueFunction:
         primed = None
         if ov is None:
             ov, primed = self._first_call(values)
-        if self.dirty:
-            out = ov.call_primed(values, *primed) if primed is not None else ov(values)
-            return in_place.write_back(self, values, out)
+        if self.dirty:  # the results hold the arguments: no C-level apply
+            return ov.call_primed(values, *primed) if primed is not None else ov(values)
         if self.explicit and not kwargs and len(args) == len(values):
             key = tuple(map(type, args))
             if key not in self.direct_keys and list not in key and tuple not in key:
@@ -306,6 +310,8 @@ class OpaqueFunction:
             overload = "_".join(s.token for s in specs) or "noargs"
         ov = self.overloads.get(overload or "default")
         if ov is None:
+            if self.dirty and self.dirty_pairs is None:  # learnt from a (fake) run
+                self._probe(specs, values)
             if outputs is not None:
                 n_out, returns_tuple = _output_structure(self.display_name, outputs)
             else:
@@ -341,7 +347,7 @@ class OpaqueFunction:
         defines it then registers the op, and ``torch.export.load`` of a program
         calling it works in a fresh process. Others are defined by their first
         call of each kind of arguments (None here)."""
-        if self.hint_specs is None:
+        if self.hint_specs is None or self.dirty:  # dirty outputs are known from a run
             return None
         returns = self.returns_hint
         if returns is None:

@@ -1,20 +1,24 @@
 """In-place Functions (``ctx.mark_dirty``).
 
-Note [In-place Functions]: the op of a Function whose forward calls
-``ctx.mark_dirty`` stays functional: its kernel runs the user's forward on
-copies of the tensor arguments, so the op's outputs never alias its inputs and
-every graph (export, compile, joint graphs) treats it like any other op. The
-caller (``OpaqueFunction.apply`` eagerly, the Dynamo hook while tracing) then
-writes each returned dirty tensor back into the argument it came from with
-``arg.copy_(out)`` and returns the argument object itself. That gives stock
-semantics: the result IS the input, its version counter is bumped, a leaf that
-requires grad is refused by autograd's in-place check, a view of another tensor
-gets its base's history rebased (CopySlices), and gradients flow through the
-op's backward to the argument's previous history. Export functionalizes the
-write-back as an input mutation.
+Note [In-place Functions]: a Function whose forward calls ``ctx.mark_dirty``
+is an op with a mutable schema, as ``torch.library.custom_op`` makes one for
+``mutates_args``: ``ns::Name(Tensor(a!) x, ...) -> (the other outputs)``.
+Calling ``torch.ops.ns.Name(x)`` modifies ``x``; ``Cls.apply(x)`` returns ``x``
+itself in the place of each dirty output (``results``), as stock does, so the
+result IS the input, with its version counter bumped, a leaf that requires
+grad refused with autograd's error, a view's base rebased (CopySlices) and
+gradients flowing through the op's backward to the argument's previous
+history. torch.export and torch.compile functionalize the op
+(``auto_functionalized_v2``) as any custom op that mutates its arguments.
+
+The mechanism is in C++ (Note [In-place ops] in csrc/in_place.cpp): the
+training forward ``Name_fwd`` stays functional, so this module runs the
+user's forward on copies of the tensor arguments (``dirty_forward``) and the
+kernels of ``Name`` write the new values back into the arguments.
 
 Which output is which argument (``dirty_pairs``) is learned from any run of the
-forward (real, primed first call, or fake) and is a property of the Function.
+forward (real, primed first call, or fake) before the op is defined, and is a
+property of the Function.
 """
 
 from __future__ import annotations
@@ -93,15 +97,35 @@ def _arg_name(fn, i: int) -> str:
     return f"arg{i}" if fn.varargs or i >= len(fn.arg_names) else fn.arg_names[i]
 
 
-def write_back(fn, values, out):
-    """Copy each dirty output into its argument and return the arguments in
-    their place (eager calls and non-strict export)."""
+def dirty_pairs(fn, specs) -> tuple:
+    """``((output, argument), ...)`` of the op being defined for ``specs``."""
     pairs = fn.dirty_pairs
-    if not pairs:
-        return out
-    outs = list(out) if isinstance(out, tuple) else [out]
-    for k, i in pairs:
-        arg = values[i]
-        arg.copy_(outs[k])
-        outs[k] = arg
-    return tuple(outs) if isinstance(out, tuple) else outs[0]
+    if pairs is None:
+        raise RuntimeError(
+            f"torch_opaque: {fn.display_name}: the op of an in-place Function is defined "
+            f"before its forward ran (internal error)."
+        )
+    for _, i in pairs:
+        if not specs[i].is_tensor:
+            raise UnsupportedError(
+                f"torch_opaque: {fn.display_name}: ctx.mark_dirty() marks argument "
+                f"'{specs[i].name}', which is not a Tensor argument of the op. Mark only "
+                f"Tensor arguments dirty, or keep this Function unwrapped."
+            )
+    return tuple(pairs)
+
+
+def place_arguments(dirty, n_out: int, args, rest) -> list:
+    """The Function's outputs: ``args[i]`` in the place of each dirty output
+    ``k``, the op's other outputs ``rest`` in order around them."""
+    by_output = dict(dirty)
+    others = iter(rest)
+    return [args[by_output[k]] if k in by_output else next(others) for k in range(n_out)]
+
+
+def results(ov, args, out):
+    """What ``Cls.apply`` returns for the in-place op's result ``out``."""
+    n_rest = ov.n_out - len(ov.dirty)
+    rest = () if n_rest == 0 else out if n_rest > 1 else (out,)
+    outs = place_arguments(ov.dirty, ov.n_out, args, rest)
+    return tuple(outs) if ov.returns_tuple else outs[0]
