@@ -244,11 +244,8 @@ void AutogradKernel::reverse(const std::shared_ptr<OpaqueOp>& op,
   if (!forward_op_ && !def.dirty.empty()) dirty = dirty_arguments(def, *stack, n_args);
   if (!any) {
     if (forward_op_) stack->push_back(std::move(fwd_flags));
-    {
-      at::AutoDispatchBelowADInplaceOrView guard;
-      handle.redispatchBoxed(keys & c10::after_ADInplaceOrView_keyset, stack);
-    }
-    bump_versions(dirty);
+    at::AutoDispatchBelowADInplaceOrView guard;
+    handle.redispatchBoxed(keys & c10::after_ADInplaceOrView_keyset, stack);
     return;
   }
   check_in_place(def, dirty, n_out);

@@ -24,11 +24,24 @@ namespace torch_opaque::detail {
 // so training graphs and the backward see an ordinary op. The kernels of
 // `ns::Name` write them back:
 // - below autograd (InferenceKernel) with `x.copy_(new)`;
-// - the Autograd kernel bumps x's version counter; when a graph is built it
-//   first runs autograd.Function's checks (a leaf that requires grad, a view
-//   with more than one output), then calls `_fwd`, copies the result into x
-//   and rebases x's history onto the backward node (views get CopySlices),
-//   as autograd.Function does for dirty tensors.
+// - both bump x's version counter as autograd.Function does (bump_as_stock);
+// - when a graph is built, the Autograd kernel first runs autograd.Function's
+//   checks (a leaf that requires grad, a view with more than one output),
+//   then calls `_fwd`, copies the result into x and rebases x's history onto
+//   the backward node (views get CopySlices), as autograd.Function does for
+//   dirty tensors.
+
+namespace {
+// Bumps `arg`'s version counter as autograd.Function does for a dirty tensor:
+// once per in-place operation the forward ran on it (counted on `out`, the
+// fresh copy the forward modified), and once for ctx.mark_dirty.
+void bump_as_stock(const at::Tensor& arg, const at::Tensor& out) {
+  if (arg.is_inference()) return;
+  const uint32_t writes = out.is_inference()
+      ? 0 : torch::autograd::impl::version_counter(out).current_version();
+  for (uint32_t i = 0; i <= writes; ++i) torch::autograd::increment_version(arg);
+}
+} // namespace
 
 c10::FunctionSchema in_place_schema(const c10::FunctionSchema& functional,
                                     const OpDefinition& def) {
@@ -76,7 +89,9 @@ void write_back(const OpDefinition& def, const std::vector<at::Tensor>& args,
                 torch::jit::Stack* stack, size_t n_out) {
   const auto first = stack->end() - n_out;
   for (size_t d = 0; d < def.dirty.size(); ++d) {
-    args[d].copy_((first + def.dirty[d].first)->toTensor());
+    const at::Tensor& out = (first + def.dirty[d].first)->toTensor();
+    args[d].copy_(out);
+    bump_as_stock(args[d], out);
   }
   // Erase from the back so the indices of earlier outputs stay valid.
   for (size_t k = n_out; k-- > 0;) {
@@ -103,11 +118,6 @@ void check_in_place(const OpDefinition& def, const std::vector<at::Tensor>& args
   }
 }
 
-void bump_versions(const std::vector<at::Tensor>& args) {
-  for (const at::Tensor& t : args) {
-    if (!t.is_inference()) torch::autograd::increment_version(t);
-  }
-}
 
 bool rebase_dirty_output(const OpDefinition& def, const std::vector<at::Tensor>& args, size_t k,
                          c10::SmallVectorImpl<at::Tensor>& outputs,
@@ -119,7 +129,7 @@ bool rebase_dirty_output(const OpDefinition& def, const std::vector<at::Tensor>&
       at::AutoDispatchBelowADInplaceOrView below;  // the write is not differentiated
       arg.copy_(outputs[k]);
     }
-    torch::autograd::increment_version(arg);
+    bump_as_stock(arg, outputs[k]);
     outputs[k] = arg;
     const uint32_t nr = node->add_input_metadata(arg);
     if (torch::autograd::isDifferentiableType(arg.scalar_type())) {

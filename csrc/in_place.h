@@ -29,7 +29,8 @@ std::vector<at::Tensor> dirty_arguments(const OpDefinition& def, const torch::ji
                                         size_t n_args);
 
 // After the forward left its `n_out` outputs on the stack: copies each dirty
-// output into its argument (`args`, from dirty_arguments) and removes it.
+// output into its argument (`args`, from dirty_arguments), bumping the
+// argument's version counter, and removes the output.
 void write_back(const OpDefinition& def, const std::vector<at::Tensor>& args,
                 torch::jit::Stack* stack, size_t n_out);
 
@@ -37,9 +38,6 @@ void write_back(const OpDefinition& def, const std::vector<at::Tensor>& args,
 // in-place autograd.Function (a leaf requiring grad, views it cannot rebase).
 void check_in_place(const OpDefinition& def, const std::vector<at::Tensor>& args,
                     size_t n_out);
-
-// Bumps the version counters of modified arguments.
-void bump_versions(const std::vector<at::Tensor>& args);
 
 } // namespace torch_opaque::detail
 

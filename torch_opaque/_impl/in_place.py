@@ -55,7 +55,11 @@ def dirty_forward(fn, forward):
     name = fn.display_name
 
     def forward_in_place(ctx, *args):
-        copies = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
+        # Fresh copies at version 0 (a clone's copy_ would count as a write), so
+        # a dirty output's version is the number of writes the forward made,
+        # which the op adds to the argument's (bump_as_stock in csrc/in_place.cpp).
+        with torch._C._AutoDispatchBelowADInplaceOrView():
+            copies = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
         versions = [c._version if isinstance(c, torch.Tensor) else None for c in copies]
         dirty = []
         ctx.mark_dirty = lambda *ts: dirty.extend(ts)
