@@ -172,22 +172,47 @@ def test_unsupported_in_place_forms_are_refused_clearly():
         F.apply(torch.ones(2), torch.zeros(2))
 
 
-def test_setup_context_style_is_refused_at_wrap_time():
-    class SetupStyle(torch.autograd.Function):
-        @staticmethod
-        def forward(x):
-            return x.mul_(2)
+class ExpInPlaceSetup(torch.autograd.Function):
+    """setup_context style, as NumpyExpMarkDirty in torch's own corpus."""
 
-        @staticmethod
-        def setup_context(ctx, inputs, output):
-            ctx.mark_dirty(inputs[0])
+    @staticmethod
+    def forward(x):
+        x.exp_()
+        return x
 
-        @staticmethod
-        def backward(ctx, g):
-            return 2 * g
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        (x,) = inputs
+        ctx.mark_dirty(x)
+        ctx.save_for_backward(output)
 
-    with pytest.raises(UnsupportedError, match="mark_dirty\\(\\) in a Function with setup_context"):
-        torch_opaque.wrap(SetupStyle, name="DirtySetupStyle")
+    @staticmethod
+    def backward(ctx, g):
+        (y,) = ctx.saved_tensors
+        return g * y
+
+
+OPS[ExpInPlaceSetup] = wrapped(ExpInPlaceSetup)
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_setup_context_style_works_as_stock(compiled):
+    def run(fn):
+        torch.manual_seed(0)
+        base = torch.randn(4, requires_grad=True)
+        a = base * 1
+        before = a._version
+        out = fn(a)
+        assert out is a or compiled
+        (a * torch.arange(4.0)).sum().backward()
+        return a.detach(), a._version - before if not compiled else 0, base.grad
+
+    ref = run(ExpInPlaceSetup.apply)
+    op = OPS[ExpInPlaceSetup].apply
+    got = run(torch.compile(lambda x: op(x), backend="aot_eager", fullgraph=True) if compiled else op)
+    torch.testing.assert_close(got, ref)
+    x = torch.zeros(2)
+    assert torch.ops.opaque.ExpInPlaceSetupOp.Tensor(x) is None and torch.equal(x, torch.ones(2))
 
 
 class Model(torch.nn.Module):

@@ -100,10 +100,8 @@ class Overload:
         self.name = overload or "default"
         name = fn.display_name
         forward = fn.forward
-        setup = fn.cls.setup_context if fn.setup_style else None
-        user_fake = getattr(fn.cls, "fake", None)
-        if user_fake is not None and fn.dirty:
-            user_fake = in_place.dirty_forward(fn, user_fake)
+        setup = fn.setup
+        user_fake = fn.wrap_forward(getattr(fn.cls, "fake", None))
         self.runner = Runner(name, forward, setup, specs, n_out)
         fake_runner = FakeRunner(
             name, user_fake or forward, setup, specs, n_out, has_user_fake=user_fake is not None
@@ -224,14 +222,29 @@ class OpaqueFunction:
         # Note [In-place Functions] (in_place.py)
         self.dirty = in_place.uses_mark_dirty(cls)
         self.dirty_pairs = None  # ((output index, argument index), ...) once known
-        if self.dirty:
-            in_place.check_supported(self)
+
+    def wrap_forward(self, forward):
+        """``forward`` (or the user's ``fake``) as the op's kernels run it:
+        on copies of the arguments for in-place Functions (Note [In-place
+        Functions])."""
+        if forward is None or not self.dirty:
+            return forward
+        if self.setup_style:
+            return in_place.dirty_setup_forward(forward)
+        return in_place.dirty_forward(self, forward)
 
     @property
     def forward(self):
         """The forward the op's kernels run (Note [In-place Functions])."""
-        forward = self.cls.forward
-        return in_place.dirty_forward(self, forward) if self.dirty else forward
+        return self.wrap_forward(self.cls.forward)
+
+    @property
+    def setup(self):
+        """The setup_context the op's kernels run, or None."""
+        if not self.setup_style:
+            return None
+        setup = self.cls.setup_context
+        return in_place.dirty_setup(self, setup) if self.dirty else setup
 
     @property
     def cls(self) -> type:
@@ -376,8 +389,7 @@ class OpaqueFunction:
         names = [f"arg{i}" for i in range(len(values))] if self.varargs else self.arg_names
         if self.hint_specs is None:  # schema errors before the forward runs
             specs_from_values(names, values, self.defaults, self.display_name)
-        setup = self.cls.setup_context if self.setup_style else None
-        runner = Runner(self.display_name, self.forward, setup, [], -1, arg_names=names)
+        runner = Runner(self.display_name, self.forward, self.setup, [], -1, arg_names=names)
         out, ctx = runner.run_first(needs, values)
         return self.overload_for(values, outputs=out), (out, ctx)
 
@@ -387,11 +399,10 @@ class OpaqueFunction:
         from torch.utils._python_dispatch import _disable_current_modes
 
         user_fake = getattr(self.cls, "fake", None)
-        setup = self.cls.setup_context if self.setup_style else None
+        setup = self.setup
         runner = FakeRunner(
             self.display_name,
-            (in_place.dirty_forward(self, user_fake) if user_fake and self.dirty else user_fake)
-            or self.forward,
+            self.wrap_forward(user_fake) or self.forward,
             setup,
             specs,
             n_out=-1,

@@ -13,8 +13,10 @@ history. torch.export and torch.compile functionalize the op
 
 The mechanism is in C++ (Note [In-place ops] in csrc/in_place.cpp): the
 training forward ``Name_fwd`` stays functional, so this module runs the
-user's forward on copies of the tensor arguments (``dirty_forward``) and the
-kernels of ``Name`` write the new values back into the arguments.
+user's forward on copies of the tensor arguments (``dirty_forward``; with
+``setup_context``, ``dirty_setup_forward`` and ``dirty_setup``, which hands
+setup_context the copies as its inputs) and the kernels of ``Name`` write the
+new values back into the arguments.
 
 Which output is which argument (``dirty_pairs``) is learned from any run of the
 forward (real, primed first call, or fake) before the op is defined, and is a
@@ -22,6 +24,8 @@ property of the Function.
 """
 
 from __future__ import annotations
+
+import threading
 
 import torch
 
@@ -38,63 +42,103 @@ def uses_mark_dirty(cls) -> bool:
     return False
 
 
-def check_supported(fn) -> None:
-    """Refuse the in-place forms that an op cannot carry (at wrap time)."""
-    if fn.setup_style:
-        raise UnsupportedError(
-            f"torch_opaque: {fn.display_name}: ctx.mark_dirty() in a Function with "
-            f"setup_context is not supported (the forward cannot be run on copies of "
-            f"its arguments). Use the forward(ctx, ...) style, or keep this Function "
-            f"unwrapped."
-        )
+def _copies(args) -> tuple:
+    """(copies of the tensor arguments, their versions). Fresh copies at version
+    0 (a clone's copy_ would count as a write), so a dirty output's version is
+    the number of writes the forward made, which the op adds to the argument's
+    (bump_as_stock in csrc/in_place.cpp)."""
+    with torch._C._AutoDispatchBelowADInplaceOrView():
+        copies = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
+    return copies, [c._version if isinstance(c, torch.Tensor) else None for c in copies]
 
 
 def dirty_forward(fn, forward):
-    """``forward`` run on copies of its tensor arguments, recording which
-    returned tensors were marked dirty (Note [In-place Functions])."""
-    name = fn.display_name
+    """``forward(ctx, ...)`` run on copies of its tensor arguments, recording
+    which returned tensors were marked dirty (Note [In-place Functions])."""
 
     def forward_in_place(ctx, *args):
-        # Fresh copies at version 0 (a clone's copy_ would count as a write), so
-        # a dirty output's version is the number of writes the forward made,
-        # which the op adds to the argument's (bump_as_stock in csrc/in_place.cpp).
-        with torch._C._AutoDispatchBelowADInplaceOrView():
-            copies = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
-        versions = [c._version if isinstance(c, torch.Tensor) else None for c in copies]
+        copies, versions = _copies(args)
         dirty = []
         ctx.mark_dirty = lambda *ts: dirty.extend(ts)
         try:
             out = forward(ctx, *copies)
         finally:
             del ctx.mark_dirty
-        outs = out if isinstance(out, tuple) else (out,)
-        pairs = []
-        for t in dirty:
-            i = next((i for i, c in enumerate(copies) if c is t), None)
-            if i is None:
-                raise UnsupportedError(
-                    f"torch_opaque: {name}: ctx.mark_dirty() was given a tensor that is "
-                    f"not one of forward's tensor arguments; an op can only mutate its "
-                    f"arguments. Mark only arguments dirty, or keep this Function unwrapped."
-                )
-            k = next((k for k, o in enumerate(outs) if o is t), None)
-            if k is None:
-                raise UnsupportedError(
-                    f"torch_opaque: {name}: the forward marked argument "
-                    f"'{_arg_name(fn, i)}' dirty but does not return it. Return the "
-                    f"modified argument (as autograd.Function expects of dirty tensors), "
-                    f"or keep this Function unwrapped."
-                )
-            pairs.append((k, i))
-        written = {i for _, i in pairs}
-        for i, (c, v) in enumerate(zip(copies, versions)):
-            if v is not None and i not in written and c._version != v:
-                raise modified_input_error(name, _arg_name(fn, i))
-        fn.dirty_pairs = tuple(pairs)
+        _learn_pairs(fn, copies, versions, dirty, out)
         return out
 
     forward_in_place.__wrapped__ = forward
     return forward_in_place
+
+
+# The copies a setup-style forward ran on, per thread, until its setup_context
+# runs (last in, first out: a forward may call other Functions).
+_SETUP_PENDING = threading.local()
+
+
+def dirty_setup_forward(forward):
+    """A setup-style ``forward(...)`` run on copies of its tensor arguments,
+    which ``dirty_setup`` hands to setup_context in place of the arguments."""
+
+    def forward_in_place(*args):
+        copies, versions = _copies(args)
+        stack = _SETUP_PENDING.__dict__.setdefault("stack", [])
+        stack.append((copies, versions))
+        try:
+            return forward(*copies)
+        except BaseException:
+            stack.pop()
+            raise
+
+    forward_in_place.__wrapped__ = forward
+    return forward_in_place
+
+
+def dirty_setup(fn, setup):
+    """``setup_context(ctx, inputs, output)`` given the copies the forward ran
+    on as ``inputs``, recording which outputs were marked dirty."""
+
+    def setup_in_place(ctx, inputs, output):
+        copies, versions = _SETUP_PENDING.stack.pop()
+        dirty = []
+        ctx.mark_dirty = lambda *ts: dirty.extend(ts)
+        try:
+            setup(ctx, tuple(copies), output)
+        finally:
+            del ctx.mark_dirty
+        _learn_pairs(fn, copies, versions, dirty, output)
+
+    setup_in_place.__wrapped__ = setup
+    return setup_in_place
+
+
+def _learn_pairs(fn, copies, versions, dirty, out) -> None:
+    """``fn.dirty_pairs`` from the tensors marked dirty, or a clear error."""
+    name = fn.display_name
+    outs = out if isinstance(out, tuple) else (out,)
+    pairs = []
+    for t in dirty:
+        i = next((i for i, c in enumerate(copies) if c is t), None)
+        if i is None:
+            raise UnsupportedError(
+                f"torch_opaque: {name}: ctx.mark_dirty() was given a tensor that is "
+                f"not one of forward's tensor arguments; an op can only mutate its "
+                f"arguments. Mark only arguments dirty, or keep this Function unwrapped."
+            )
+        k = next((k for k, o in enumerate(outs) if o is t), None)
+        if k is None:
+            raise UnsupportedError(
+                f"torch_opaque: {name}: the forward marked argument "
+                f"'{_arg_name(fn, i)}' dirty but does not return it. Return the "
+                f"modified argument (as autograd.Function expects of dirty tensors), "
+                f"or keep this Function unwrapped."
+            )
+        pairs.append((k, i))
+    written = {i for _, i in pairs}
+    for i, (c, v) in enumerate(zip(copies, versions)):
+        if v is not None and i not in written and c._version != v:
+            raise modified_input_error(name, _arg_name(fn, i))
+    fn.dirty_pairs = tuple(pairs)
 
 
 def _arg_name(fn, i: int) -> str:
