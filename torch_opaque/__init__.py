@@ -28,6 +28,7 @@ from ._impl.function import DEFAULT_NAMESPACE, OpaqueFunction, is_wrapped, looku
 from .errors import FakeForwardError, RegistrationError, SchemaError, UnsupportedError
 from .archive import ArchiveError, OpNotAllowedError, load, save
 from . import passes
+from ._impl import cpp_fakes as _cpp_fakes
 from .training import export_training, training_outputs
 
 # Importing changes nothing in torch: the first wrap()/op/auto() reroutes
@@ -44,8 +45,11 @@ def load_library(path) -> None:
     that do not match): the ops that did register stay usable.
     """
     _C.take_registration_errors()  # failures of libraries loaded other ways are not ours
+    before = _cpp_fakes.op_names()
     torch.ops.load_library(str(path))
     errors = _C.take_registration_errors()
+    # Note [C++ kernels as fakes]: symbolic sizes inside the kernels on fake tensors
+    _cpp_fakes.register_kernel_fakes(_cpp_fakes.op_names() - before)
     if errors:
         lines = "\n".join(f"  - {e}" for e in errors)
         raise RegistrationError(
