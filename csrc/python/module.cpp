@@ -1,6 +1,7 @@
 // torch_opaque._C: the Python face of the C++ core.
 #include "context_types.h"
 #include "direct_apply.h"
+#include "kernel_below_autograd.h"
 #include "op_call.h"
 #include "python_kernel.h"
 
@@ -91,6 +92,11 @@ PYBIND11_MODULE(_C, m) {
         py::arg("saved"), py::arg("grads"), py::arg("needs_input_grad"), py::arg("state"),
         py::arg("state_ints"),
         "Run a kernels.BackwardRunner's backward like the real kernel, from Python.");
+  m.def("call_kernel_below_autograd", &call_kernel_below_autograd, py::arg("name"),
+        py::arg("overload"), py::arg("args"),
+        "Run an op's kernel for its tensors' backend, below autograd and Python dispatch "
+        "modes, so that its ATen calls are traced (Note [Kernels below autograd]): (what it "
+        "returns, forward record or None).");
   m.def("take_registration_errors", &take_registration_errors,
         "Failures recorded by TORCH_OPAQUE_DEF registrations since the last call "
         "(Note [Static registration errors]); the record is emptied.");

@@ -1,6 +1,7 @@
 #include "python_kernel.h"
 
 #include "context_types.h"
+#include "kernel_below_autograd.h"
 
 #include <torch_opaque/detail/finishers.h>
 #include <torch_opaque/forward_record.h>
@@ -498,19 +499,7 @@ py::tuple run_forward_from_python(py::object runner, py::object forward, py::obj
   for (const at::Tensor& t : stack.back().toTensorList().vec()) {
     residuals.append(steal(wrap_tensor(t)));
   }
-  py::object rec = py::none();
-  if (record) {
-    py::list saved;
-    for (const SavedRef& r : record->saved) {
-      saved.append(static_cast<int64_t>(r.kind));
-      saved.append(r.index);
-      saved.append(r.item);
-    }
-    py::list non_diff;
-    for (bool b : record->non_differentiable) non_diff.append(b);
-    rec = py::make_tuple(saved, non_diff, record->materialize_grads, record->state,
-                         record->state_ints);
-  }
+  py::object rec = record ? py::object(record_to_python(*record)) : py::none();
   return py::make_tuple(outs, residuals, rec);
 }
 

@@ -8,9 +8,13 @@ from torch._dynamo.source import ConstantSource
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 from torch_opaque._impl.bridge import SavedKind, saved_triples
+import pytest
+
 from torch_opaque._impl.function import lookup
+from torch_opaque._impl.kernels import BackwardRunner
 from torch_opaque._impl.tracing import (
     FALLBACK_SIZE_HINT,
+    BackwardTrace,
     CallTemplate,
     ForwardTrace,
     real_shaped,
@@ -112,3 +116,50 @@ def test_forward_trace_records_with_the_given_or_the_calls_own_needs_input_grad(
     assert saved_triples(saved) == [(SavedKind.INPUT, 0, 0)]  # x, the first argument
     assert state  # ctx.scale
     assert own[-1][0] == saved and own[-1][3] == state
+
+
+def test_call_template_rebuilds_lists_of_symbolic_ints():
+    a = torch.ones(1)
+    t = CallTemplate([("T",), ("IL", 2), ("I",), ("C", "s")])
+    assert t.rebuild([a, 3, 4, 5]) == [a, [3, 4], 5, "s"]
+
+
+def _backward_of_a_recorded_call():
+    """(backward callable, state, x) of one recorded ScaledSin call."""
+    records = []
+    _traced_call(needs=(True, False, False), report=records.append)
+    _saved, _nd, _m, state, ints = records[-1]
+    fn = lookup(ScaledSin)
+    (ov,) = fn.overloads.values()
+    runner = BackwardRunner(fn.display_name, ScaledSin.backward, ov.specs)
+    return (lambda *a: runner(*a)[0]), state, list(ints)
+
+
+def test_backward_trace_is_an_aten_program_with_stock_gradients():
+    backward, state, ints = _backward_of_a_recorded_call()
+    template = CallTemplate([("O", (False,)), ("L", 1), ("C", [True, False, False]),
+                             ("C", state), ("IL", len(ints))])
+    reported = []
+    module = BackwardTrace(backward, template, report=reported.append)
+    x, g = torch.randn(5, 3), torch.randn(5, 3)
+    dim = torch.export.Dim("n")
+    prog = trace_to_aten(module, [x, g, *ints], [{0: dim}, {0: dim}, *([None] * len(ints))])
+    assert reported == [(0,)]  # only x gets a gradient
+    targets = {n.target for n in prog.graph.nodes if n.op == "call_function"}
+    assert targets and all(t.namespace == "aten" for t in targets), targets
+
+    y = torch.randn(8, 3, requires_grad=True)
+    gy = torch.randn(8, 3)
+    extra = [torch.randn(8, 3), torch.randn(8, 3)]
+    (want,) = torch.autograd.grad(StockScaledSin.apply(y, 2.0, extra), y, gy)
+    (got,) = prog.module()([y.detach(), gy, *ints])
+    torch.testing.assert_close(got, want)
+
+
+def test_backward_trace_refuses_a_none_gradient_the_program_needs():
+    backward, state, ints = _backward_of_a_recorded_call()
+    template = CallTemplate([("O", (False,)), ("L", 1), ("C", [True, False, False]),
+                             ("C", state), ("C", ints)])
+    module = BackwardTrace(backward, template, positions=(0, 1))
+    with pytest.raises(RuntimeError, match=r"returned None for argument\(s\) \[1\]"):
+        module([torch.randn(2, 3), torch.randn(2, 3)])

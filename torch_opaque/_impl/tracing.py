@@ -9,13 +9,19 @@ passes, stored programs (archive/) and ONNX export (onnx/).
 Note [Tracing a call kind to ATen]
 Self-contained archives (archive/trace.py) and ONNX functions (onnx/functions.py)
 both need the user's forward of one kind of call (argument dtypes, constants,
-which sizes are static) as an ATen program. Both describe the call by a
-:class:`CallTemplate` (per schema argument: a tensor, a tensor list, None, a
-symbolic int or a constant), run the forward through :class:`ForwardTrace`
-(the overload's ``kernels.Runner``, so the same C++ run as the real kernel,
-Note [Python kernels]) and trace it with :func:`trace_to_aten`
-(``torch.export``, non-strict, one list input). ``_fwd``'s trailing
-needs_input_grad is told apart by the runner's :class:`~.calls.CallSignature`.
+which sizes are static), and its backward, as ATen programs. Both describe the
+call by a :class:`CallTemplate` (per schema argument: a tensor, a tensor list,
+None, a symbolic int, a list of symbolic ints or a constant), run the forward
+through :class:`ForwardTrace` and the backward through :class:`BackwardTrace`,
+and trace them with :func:`trace_to_aten` (``torch.export``, non-strict, one
+list input). The forward runs through a runner: the overload's
+``kernels.Runner`` for a Python Function (the same C++ run as the real kernel,
+Note [Python kernels]), ``cpp_kernels.CppRunner`` for an op defined in C++ (its
+own kernels, below autograd: Note [Kernels below autograd]). ``_fwd``'s
+trailing needs_input_grad is told apart by the runner's
+:class:`~.calls.CallSignature`. The backward is any callable with ``_bwd``'s
+arguments returning one gradient or None per forward argument
+(``kernels.BackwardRunner``, ``cpp_kernels.CppBackward``).
 """
 
 from __future__ import annotations
@@ -120,7 +126,7 @@ class CallTemplate:
     inputs (tensors, then symbolic ints). ``slots``, per argument: ``("T",)`` a
     tensor, ``("L", n)`` a list of n tensors, ``("O", nones)`` a ``Tensor?[]``
     (None where ``nones`` says), ``("N",)`` a None tensor, ``("I",)`` a symbolic
-    int, ``("C", value)`` a constant.
+    int, ``("IL", n)`` a list of n symbolic ints, ``("C", value)`` a constant.
 
     Example::
 
@@ -154,6 +160,8 @@ class CallTemplate:
                 args.append(None)
             elif k == "I":
                 args.append(next(ints))
+            elif k == "IL":
+                args.append([next(ints) for _ in range(slot[1])])
             else:
                 args.append(slot[1])
         return args
@@ -189,6 +197,42 @@ class ForwardTrace(torch.nn.Module):
         if self._report is not None:
             self._report(record)
         return (*outs, *residuals, *(record[4] if self.state_ints else ()))
+
+
+class BackwardTrace(torch.nn.Module):
+    """The backward of one kind of call, as a module torch.export traces:
+    ``flat`` (saved tensors, output gradients, then symbolic ints) -> the
+    gradients that are not None.
+
+    ``backward(saved, grads, needs_input_grad, state, state_ints)`` returns one
+    gradient or None per forward argument; ``template`` rebuilds its five
+    arguments from ``flat``. ``positions``: the arguments whose gradients the
+    program returns (a gradient traced as None there is an error); None: those
+    the backward returns, told to ``report`` (kept outside the module's state,
+    as for :class:`ForwardTrace`)."""
+
+    def __init__(self, backward: Callable, template: CallTemplate,
+                 positions: Optional[Sequence[int]] = None, report: Optional[Callable] = None):
+        super().__init__()
+        self.backward, self.template = backward, template
+        self.positions = tuple(positions) if positions is not None else None
+        self._report = report
+
+    def forward(self, flat):
+        saved, grads, needs, state, state_ints = self.template.rebuild(list(flat))
+        res = self.backward(list(saved), list(grads), list(needs), state, list(state_ints))
+        positions = self.positions
+        if positions is None:
+            positions = tuple(i for i, g in enumerate(res) if g is not None)
+        missing = [i for i in positions if res[i] is None]
+        if missing:
+            raise RuntimeError(
+                f"the backward returned None for argument(s) {missing} when traced, but a "
+                f"gradient in the program"
+            )
+        if self._report is not None:
+            self._report(positions)
+        return tuple(res[i] for i in positions)
 
 
 def trace_to_aten(module: torch.nn.Module, flat: Sequence, dynamic: Sequence):

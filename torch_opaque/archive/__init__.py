@@ -72,6 +72,16 @@ unpickling] in program.py):
   traced with every tensor input needing a gradient (unneeded ones are
   dropped at run time).
 
+The forward and backward are the Function's (run through the same C++ code as
+the real kernels), or, for an op defined in C++ (``TORCH_OPAQUE_DEF``), its own
+``_fwd`` / ``_bwd`` kernels run below autograd, so that their ATen calls are
+traced (Note [Kernels below autograd] in csrc/python/kernel_below_autograd.h).
+A C++ kernel that is not made of ATen ops (a loop over ``data_ptr``) cannot be
+traced: saving fails naming the op and the way out (an allow-list archive and
+``torch_opaque.load_library`` before loading). C++ ops with ``Tensor[]``
+arguments or results are not stored self-contained (their per-element
+gradients differ from a Python Function's).
+
 Loading defines the op (as its own overload, Note [Stored ops beside real
 ones] in stored.py) with ``_C.define_op`` whose kernels run these programs,
 plus fake kernels (the same programs on fake tensors), so the loaded program

@@ -440,7 +440,8 @@ def _define(op: OpEntry, ov: OverloadRecord, payloads: dict, registered: str) ->
         name,
         registered,
         ov.arguments,
-        ["Tensor"] * ov.n_out,
+        # (named as the saved op's: a C++ op's output_names)
+        [f"Tensor {r.name}" if r.name else "Tensor" for r in schema.returns],
         _StoredRunner(sov),
         _StoredBackwardRunner(sov),
     )

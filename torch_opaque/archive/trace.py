@@ -15,7 +15,8 @@ import torch
 
 from .._impl.bridge import SavedKind, saved_triples
 from .._impl.kernels import BackwardRunner, Runner
-from .._impl.tracing import CallTemplate, ForwardTrace, size_hint, trace_to_aten
+from .._impl.cpp_kernels import CppBackward, CppRunner
+from .._impl.tracing import BackwardTrace, CallTemplate, ForwardTrace, size_hint, trace_to_aten
 from ..errors import ArchiveError
 from .optional_outputs import optional_tensor_list_results
 from .manifest import PROGRAM_PREFIX, SAVED_KIND_NAMES, ArgRecord, SavedRecord, TensorSig, VariantRecord
@@ -93,32 +94,6 @@ def _example_tensor(t) -> torch.Tensor:
     return torch.zeros(shape, dtype=t.dtype, device=t.device)
 
 
-class _BackwardTrace(torch.nn.Module):
-    """The user's backward: (saved tensors, output grads, state ints) -> grads."""
-
-    def __init__(self, fn, overload, saved_none, n_out, state, needs, report):
-        super().__init__()
-        ov = fn.overloads[overload]
-        self.runner = BackwardRunner(fn.display_name, fn.cls.backward, ov.specs)
-        self.saved_none = saved_none
-        self.n_out = n_out
-        self.state = state
-        self.needs = needs
-        self._report = report  # the positions of non-None gradients (see ForwardTrace)
-
-    def forward(self, flat):
-        flat = list(flat)
-        saved = []
-        for is_none in self.saved_none:
-            saved.append(None if is_none else flat.pop(0))
-        grads = flat[: self.n_out]
-        ints = flat[self.n_out :]
-        (res,) = self.runner(saved, grads, self.needs, self.state, ints)
-        positions = [i for i, g in enumerate(res) if g is not None]
-        self._report(positions)
-        return tuple(res[i] for i in positions)
-
-
 def _template(desc) -> CallTemplate:
     """The call template (Note [Tracing a call kind to ATen]) of a variant description."""
     slots = {"none": lambda d: ("N",), "tensor": lambda d: ("T",), "dyn": lambda d: ("I",),
@@ -151,7 +126,8 @@ def _add_programs(variant: VariantRecord, payload: dict, files: dict, counter: l
 
 def store_overload(rec, overload: str, files: dict, counter: list, fn, stored) -> tuple:
     """(manifest variants, traced programs) for every kind of call of one
-    overload. ``fn``: its OpaqueFunction (or None); ``stored``: its
+    overload. ``fn``: its OpaqueFunction (None: an op defined in C++, whose
+    kernels are traced); ``stored``: its
     stored.StoredOverload when it was itself loaded from a self-contained archive."""
     if stored is not None:
         # Re-saving a program loaded from a self-contained archive: keep its programs.
@@ -163,12 +139,13 @@ def store_overload(rec, overload: str, files: dict, counter: list, fn, stored) -
         return variants, [m for v in stored.variants for m in (v.fwd, v.bwd) if m is not None]
 
     qual = f"{rec.qualified_name}.{overload}"
-    if fn is None or overload not in fn.overloads:
+    if fn is not None and overload not in fn.overloads:
         raise ArchiveError(
-            f"torch_opaque.save(self_contained=True): {qual} has no Python forward/backward "
-            f"to trace (it is defined in C++); save without self_contained=True and load the "
-            f"library that defines it before torch_opaque.load."
+            f"torch_opaque.save(self_contained=True): {qual} is not an overload of "
+            f"{fn.display_name}, so there is no forward/backward to trace; save without "
+            f"self_contained=True."
         )
+    kernels = _python_kernels(fn, overload) if fn is not None else _cpp_kernels(rec, overload)
     info = rec.overloads[overload]
     schema = rec.overload_packet(overload)._schema
     seen: dict = {}
@@ -190,8 +167,18 @@ def store_overload(rec, overload: str, files: dict, counter: list, fn, stored) -
             continue
         seen[key] = True
         try:
-            entry, fwd_prog, bwd_prog = _trace_variant(fn, overload, schema, desc, flat, dyn)
+            entry, fwd_prog, bwd_prog = _trace_variant(*kernels, desc, flat, dyn)
         except Exception as e:
+            if fn is None:
+                cause = (str(e).strip().splitlines() or [""])[0].rstrip(".")
+                raise ArchiveError(
+                    f"torch_opaque.save(self_contained=True): cannot trace {qual} (defined in "
+                    f"C++) to ATen for the call at node '{node.name}': {cause}. Its forward and "
+                    f"backward kernels are stored only when they are made of ATen ops (not "
+                    f"loops over data_ptr, say). Save without self_contained=True and call "
+                    f"torch_opaque.load_library(<the library that defines it>) before "
+                    f"torch_opaque.load."
+                ) from e
             raise ArchiveError(
                 f"torch_opaque.save(self_contained=True): cannot trace {qual} "
                 f"({fn.cls.__module__}.{fn.cls.__qualname__}) to ATen for the call at node "
@@ -214,11 +201,34 @@ def _meta_dims(val) -> Optional[dict]:
     return None
 
 
-def _trace_variant(fn, overload, schema, desc, flat, dyn) -> tuple:
-    n_out = fn.overloads[overload].n_out
+def _python_kernels(fn, overload) -> tuple:
+    """(forward runner, backward, n_out) of a Python Function's overload."""
     ov = fn.overloads[overload]
     setup = fn.cls.setup_context if fn.setup_style else None
-    runner = Runner(fn.display_name, fn.cls.forward, setup, ov.specs, n_out)
+    runner = Runner(fn.display_name, fn.cls.forward, setup, ov.specs, ov.n_out)
+    backward = BackwardRunner(fn.display_name, fn.cls.backward, ov.specs)
+    return runner, lambda *a: backward(*a)[0], ov.n_out
+
+
+def _cpp_kernels(rec, overload) -> tuple:
+    """(forward runner, backward, n_out) of an op defined in C++: its own kernels
+    run below autograd (Note [Kernels below autograd])."""
+    qual = f"{rec.qualified_name}.{overload}"
+    schema = rec.overload_packet(overload)._schema
+    lists = [a.name for a in schema.arguments if tensor_kind(a) == "tensors"]
+    if lists or any(not isinstance(r.type, torch.TensorType) for r in schema.returns):
+        what = f"Tensor[] argument '{lists[0]}'" if lists else "Tensor[] result"
+        raise ArchiveError(
+            f"torch_opaque.save(self_contained=True): {qual} (defined in C++) has a {what}; "
+            f"C++ ops are stored self-contained only with Tensor arguments and results. Save "
+            f"without self_contained=True and call torch_opaque.load_library(<the library "
+            f"that defines it>) before torch_opaque.load."
+        )
+    runner = CppRunner(rec.namespace, rec.name, overload)
+    return runner, CppBackward(rec.namespace, rec.name, overload), runner.n_out
+
+
+def _trace_variant(runner, backward, n_out, desc, flat, dyn) -> tuple:
     template = _template(desc)
     needs = [d["kind"] == "tensor" for d in desc]
     records: list = []
@@ -280,7 +290,9 @@ def _trace_variant(fn, overload, schema, desc, flat, dyn) -> tuple:
         b_flat.append(int(v))
         b_dyn.append(_meta_dims(out_vals[n_out + n_res + k]))
     box: list = []
-    bwd_mod = _BackwardTrace(fn, overload, saved_none, n_out, state, needs, box.append)
+    bwd_template = CallTemplate([("O", saved_none), ("L", n_out), ("C", needs), ("C", state),
+                                 ("IL", n_ints)])
+    bwd_mod = BackwardTrace(backward, bwd_template, report=box.append)
     bwd_prog = _export(bwd_mod, b_flat, b_dyn, "backward")
     if not box or any(p != box[0] for p in box):
         raise RuntimeError("the backward returns gradients for different inputs when traced")

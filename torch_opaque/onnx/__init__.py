@@ -46,8 +46,9 @@ entry for every opaque op in the graph (found with ``torch_opaque.ops``):
   get their attributes.
 * ``functions=True`` adds a model-local function per distinct call: the user's
   forward traced to ATen (``torch.export`` of a module that calls the
-  overload's ``runner``) and exported by the same machinery (so opaque ops
-  inside a forward work too). The trace sees the attribute values as Python
+  overload's ``runner``; for an op defined in C++, its own kernel run below
+  autograd, Note [Kernels below autograd] in csrc/python/kernel_below_autograd.h)
+  and exported by the same machinery (so opaque ops inside a forward work too). The trace sees the attribute values as Python
   numbers, so they are baked into the body: the function is specialised per
   call and told apart by the ONNX ``overload`` field (IR >= 10). Node
   ``opaque::Foo`` with ``overload="Tensor_float_1a2b3c4d"`` calls function

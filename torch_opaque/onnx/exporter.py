@@ -136,6 +136,8 @@ class _Exporter(FunctionBodies):
     def _check(self, fx_node: torch.fx.Node, info: OpaqueInfo) -> None:
         qual, mapped = info.qualified_name, self.mapping.get(info.qualified_name)
         self.seen.add(qual)
+        if self.with_functions and mapped is None:
+            _refuse_list_results(info)
         if info.role != "op":
             self._check_training(fx_node, info)
             return
@@ -159,12 +161,6 @@ class _Exporter(FunctionBodies):
             ident = (proto.domain, proto.name, proto.overload)
             if ident not in self.functions:
                 self.functions[ident] = ir.serde.deserialize_function(proto)
-        elif self.with_functions and info.python_overload is None:
-            raise OnnxExportError(
-                f"torch_opaque.onnx: {qual} is defined in C++, so there is no Python forward to "
-                f"turn into an ONNX function. Pass mapping={{'{qual}': <ONNX op name or "
-                f"onnxscript function>}}, or functions=False for a bare custom node."
-            )
         else:
             return
         for arg, value in args:
@@ -185,12 +181,6 @@ class _Exporter(FunctionBodies):
                 f"program calls its training forms {info.qualified_name}_fwd/_bwd, which keep "
                 f"the Function's own forward and backward as ONNX functions. Drop it from "
                 f"mapping= (or pass functions=False for bare custom nodes)."
-            )
-        if self.with_functions and info.python_overload is None:
-            raise OnnxExportError(
-                f"torch_opaque.onnx: {qual} belongs to an op defined in C++, so there is no "
-                f"Python forward/backward to turn into an ONNX function. Pass functions=False "
-                f"for bare custom nodes."
             )
         _refuse_symbolic(
             bind_call(info.target, fx_node.args, fx_node.kwargs), qual, fx_node,
@@ -248,6 +238,19 @@ class _Exporter(FunctionBodies):
             return outs
 
         return translate
+
+
+def _refuse_list_results(info: OpaqueInfo) -> None:
+    """A C++ op returning ``Tensor[]`` has one ONNX output per element, which
+    its custom node cannot declare yet."""
+    returns = info.overload_of("op")._schema.returns
+    if any(isinstance(r.type, torch.ListType) for r in returns):
+        raise OnnxExportError(
+            f"torch_opaque.onnx: {info.qualified_name} returns Tensor[], whose elements its ONNX "
+            f"node cannot declare as outputs, so it gets no ONNX function. Pass functions=False "
+            f"to keep a bare custom node (onnxruntime then needs a custom-op kernel for it), or "
+            f"mapping={{'{info.qualified_name}': <translation function>}}."
+        )
 
 
 def _refuse_symbolic(args: list, qual: str, fx_node, example: str, advice: str) -> None:

@@ -12,11 +12,12 @@ import onnx_ir as ir
 import onnx_ir.passes.common as ir_passes
 import torch
 
-from .._impl.tracing import CallTemplate, ForwardTrace, size_hint, trace_to_aten
+from .._impl.cpp_kernels import CppBackward, CppRunner
+from .._impl.kernels import BackwardRunner
+from .._impl.tracing import BackwardTrace, CallTemplate, ForwardTrace, size_hint, trace_to_aten
 from ..errors import OnnxExportError
 from ..ops import OpaqueInfo
 from .nodes import bind_call, static_size, tensor_arity
-from .training import BackwardBody
 
 
 def add_functions(model: ir.Model, functions: dict) -> None:
@@ -92,15 +93,15 @@ class FunctionBodies:
             if info.role != "op":
                 raise OnnxExportError(
                     f"torch_opaque.onnx: the {_part(info)} of {qual} "
-                    f"({info.function.display_name}) has no ONNX translation ({cause}), so the "
+                    f"({_origin(info)}) has no ONNX translation ({cause}), so the "
                     f"ONNX function of {qual}_{info.role} in this training program cannot be "
                     f"built. {_training_advice(qual)}"
                 ) from e
             raise OnnxExportError(
-                f"torch_opaque.onnx: the forward of {qual} ({info.function.display_name}) has "
+                f"torch_opaque.onnx: the forward of {qual} ({_origin(info)}) has "
                 f"no ONNX translation ({cause}), so its ONNX function cannot be built. Pass "
-                f"mapping={{'{qual}': <ONNX op name or onnxscript function>}} (or mapping="
-                f"{{{info.function.display_name}: ...}}) to translate the op yourself, or "
+                f"mapping={{'{qual}': <ONNX op name or onnxscript function>}}{_by_class(info)} "
+                f"to translate the op yourself, or "
                 f"functions=False to keep a bare custom node (onnxruntime then needs a "
                 f"custom-op kernel for it)."
             ) from e
@@ -109,11 +110,20 @@ class FunctionBodies:
         """The call's body: its forward (Note [Tracing a call kind to ATen]; a
         ``Name_fwd`` call's needs_input_grad is its last argument, so outputs
         and residuals), or a ``Name_bwd`` call's backward."""
-        ov, call = info.python_overload, CallTemplate(template)
+        call = CallTemplate(template)
+        ov = info.python_overload
+        if ov is None:  # an op defined in C++: its own kernels (Note [Kernels below autograd])
+            runner = CppRunner(info.namespace, info.name, info.overload)
+            backward = CppBackward(info.namespace, info.name, info.overload)
+        else:
+            runner = ov.runner
+            python_backward = BackwardRunner(info.function.display_name,
+                                             info.function.cls.backward, ov.specs)
+            backward = lambda *a: python_backward(*a)[0]  # noqa: E731
         if info.role == "bwd":
             positions = tuple(i for i, g in enumerate(fx_node.meta["val"]) if g is not None)
-            return BackwardBody(info.function, ov, call, positions)
-        return ForwardTrace(ov.runner, call)
+            return BackwardTrace(backward, call, positions)
+        return ForwardTrace(runner, call)
 
     def _trace_body(self, info: OpaqueInfo, body, fakes) -> torch.export.ExportedProgram:
         qual = info.qualified_name
@@ -136,9 +146,9 @@ class FunctionBodies:
         except Exception as e:
             first = (str(e).strip().splitlines() or [""])[0]
             raise OnnxExportError(
-                f"torch_opaque.onnx: the {_part(info)} of {qual} ({info.function.display_name}) "
+                f"torch_opaque.onnx: the {_part(info)} of {qual} ({_origin(info)}) "
                 f"cannot be traced to ATen ops for its ONNX function ({type(e).__name__}: {first}). "
-                f"{advice}"
+                f"{_cpp_hint(info)}{advice}"
             ) from e
         placeholders = [n for n in body.graph.nodes if n.op == "placeholder"]
         for k, (f, p) in enumerate(zip(fakes, placeholders)):
@@ -150,6 +160,23 @@ class FunctionBodies:
                         f"function would be wrong for other sizes. {advice}"
                     )
         return body
+
+
+def _origin(info: OpaqueInfo) -> str:
+    return "defined in C++" if info.function is None else info.function.display_name
+
+
+def _by_class(info: OpaqueInfo) -> str:
+    if info.function is None:
+        return ""
+    return f" (or mapping={{{info.function.display_name}: ...}})"
+
+
+def _cpp_hint(info: OpaqueInfo) -> str:
+    if info.function is not None:
+        return ""
+    return ("A C++ op's kernels become ONNX functions only when they are made of ATen ops "
+            "(not loops over data_ptr, say). ")
 
 
 def _part(info: OpaqueInfo) -> str:

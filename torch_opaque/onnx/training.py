@@ -25,16 +25,16 @@ domain, ``op_type`` ``Name_fwd`` / ``Name_bwd``, as the inference op does
 * the function bodies: ``Name_fwd`` is the user's forward run by the same C++
   path as the real kernel (outputs and residuals: ``_impl.tracing.ForwardTrace``,
   which takes needs_input_grad from the call), ``Name_bwd`` the user's
-  backward run with the call's state (:class:`BackwardBody`); both traced to
-  ATen and exported as the inference bodies are (onnx/functions.py).
+  backward run with the call's state (``_impl.tracing.BackwardTrace``); both
+  traced to ATen and exported as the inference bodies are (onnx/functions.py).
+  An op defined in C++ runs its own ``_fwd`` / ``_bwd`` kernels instead
+  (``_impl.cpp_kernels``).
 """
 
 from __future__ import annotations
 
 import torch
 
-from .._impl.kernels import BackwardRunner
-from .._impl.tracing import CallTemplate
 
 
 class TrainingCalls:
@@ -73,27 +73,6 @@ class ValueList(list):
 
     def producer(self):
         return None
-
-
-class BackwardBody(torch.nn.Module):
-    """``Name_bwd`` of one call: saved tensors and output gradients in, the
-    gradients that are not None out."""
-
-    def __init__(self, fn, ov, template: CallTemplate, positions: tuple):
-        super().__init__()
-        self.runner = BackwardRunner(fn.display_name, fn.cls.backward, ov.specs)
-        self.template, self.positions = template, positions
-
-    def forward(self, flat):
-        saved, grads, needs, state, state_ints = self.template.rebuild(list(flat))
-        (res,) = self.runner(list(saved), list(grads), list(needs), state, list(state_ints))
-        missing = [i for i in self.positions if res[i] is None]
-        if missing:
-            raise RuntimeError(
-                f"the backward returned None for argument(s) {missing} when traced, but a "
-                f"gradient in the program"
-            )
-        return tuple(res[i] for i in self.positions)
 
 
 def with_user_outputs(ep: torch.export.ExportedProgram) -> torch.export.ExportedProgram:

@@ -48,4 +48,8 @@ print(json.dumps({
     "imported": sorted(m for m in sys.modules if m.startswith("opaque_fixtures")),
     "findable": importlib.util.find_spec("opaque_fixtures") is not None,
     "ops": [r.qualified_name for r in passes.list_opaque_ops(ep)],
+    # the overloads the program calls (stored programs: "<overload>_stored_<digest>")
+    "overloads": sorted({n.target._overloadname for n in ep.graph.nodes
+                         if isinstance(n.target, torch._ops.OpOverload)
+                         and n.target.namespace not in ("aten", "prims")}),
 }))
