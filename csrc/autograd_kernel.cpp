@@ -1,5 +1,6 @@
 #include "autograd_kernel.h"
 #include "forward_ad.h"
+#include "nested_grad.h"
 
 #include <ATen/core/List.h>
 #include <ATen/core/stack.h>
@@ -104,8 +105,26 @@ class OpaqueBackward final : public Node {
     stack.emplace_back(std::move(needs));
     stack.emplace_back(std::move(state));
     stack.emplace_back(c10::SymIntArrayRef(state_ints));
-    if (at::GradMode::is_enabled()) {
-      op_->backward_op().callBoxed(stack);
+    if (at::GradMode::is_enabled() || has_tangents(saved_list) || has_tangents(grad_list)) {
+      // Note [Nested grad]: under a torch.func level the backward runs as
+      // user code of that level.
+      std::optional<c10::DispatchKeySet> direct = backward_as_user_code(saved_list, grad_list);
+      if (direct) {
+        try {
+          op_->backward_op().redispatchBoxed(*direct, &stack);
+        } catch (const std::exception& e) {
+          // Only a backward that reads tensor memory directly is told why.
+          const std::string what = e.what();
+          if (what.find("doesn't have storage") == std::string::npos) throw;
+          TORCH_CHECK(false, "torch_opaque: ", op_->qualified_name(),
+                      ": the backward failed under a torch.func transform. There it runs on the "
+                      "transform's wrapped tensors, as a stock Function's backward does, so it "
+                      "must be written with torch operations (not numpy or .data_ptr()); use "
+                      "torch.autograd.grad outside torch.func instead. The error was: ", e.what());
+        }
+      } else {
+        op_->backward_op().callBoxed(stack);
+      }
     } else {
       // No graph is being built: skip the Autograd fallback of `_bwd`.
       at::AutoDispatchBelowADInplaceOrView below;
@@ -124,6 +143,17 @@ class OpaqueBackward final : public Node {
       if (g.has_value()) out[e] = std::move(*g);
     }
     return out;
+  }
+
+  // Whether a tensor carries a forward gradient: then `_bwd`'s Autograd
+  // kernel runs the backward so that its operations propagate it, with grad
+  // mode on or off (Note [Double backward]).
+  static bool has_tangents(const c10::List<std::optional<at::Tensor>>& l) {
+    for (size_t i = 0; i < l.size(); ++i) {
+      std::optional<at::Tensor> t = l.get(i);
+      if (t.has_value() && t->defined() && t->_fw_grad(/*level=*/0).defined()) return true;
+    }
+    return false;
   }
 
   // Whether `_bwd` reaches its kernel untraced: no Python dispatch mode is
@@ -170,6 +200,23 @@ void AutogradKernel::operator()(const c10::OperatorHandle& handle,
                                 c10::DispatchKeySet keys, torch::jit::Stack* stack) {
   std::shared_ptr<OpaqueOp> op = op_.lock();
   TORCH_INTERNAL_ASSERT(op, "opaque op used after its definition was destroyed");
+  if (forward_op_) {
+    // `_fwd`: its trailing needs_input_grad is no forward argument, and its
+    // residuals come from the reverse-mode call.
+    c10::IValue flags = std::move(stack->back());
+    stack->pop_back();
+    const bool tangents = has_forward_grads(*stack, op->num_arguments());
+    auto call = [&](torch::jit::Stack* s) {
+      s->push_back(std::move(flags));
+      reverse(op, handle, keys, s);
+    };
+    if (tangents) {
+      run_with_forward_grads(*op, stack, call, /*n_extra=*/1);
+    } else {
+      call(stack);
+    }
+    return;
+  }
   if (has_forward_grads(*stack, op->num_arguments())) {
     run_with_forward_grads(*op, stack, [&](torch::jit::Stack* s) { reverse(op, handle, keys, s); });
     return;
@@ -233,9 +280,15 @@ void AutogradKernel::reverse(const std::shared_ptr<OpaqueOp>& op,
       }
     }
   }
+  // Note [Nested grad]: a level above waits for this `_fwd`'s record and
+  // passes its needs_input_grad down.
+  const bool nested = under_functorch_level(keys);
+  NestedForwardScope* above = forward_op_ ? NestedForwardLink::waiting(op.get()) : nullptr;
   if (!any) {
     if (forward_op_) stack->push_back(std::move(fwd_flags));
     at::AutoDispatchBelowADInplaceOrView guard;
+    std::optional<at::AutoGradMode> no_grad;
+    if (above) no_grad.emplace(false);  // the forward runs without grad
     handle.redispatchBoxed(keys & c10::after_ADInplaceOrView_keyset, stack);
     return;
   }
@@ -246,17 +299,26 @@ void AutogradKernel::reverse(const std::shared_ptr<OpaqueOp>& op,
   {
     c10::List<bool> flags;
     flags.reserve(needs.size());
-    for (bool b : needs) flags.push_back(b);
+    const c10::List<bool> flags_above = above ? fwd_flags.toBoolList() : c10::List<bool>();
+    for (size_t i = 0; i < needs.size(); ++i) {
+      flags.push_back(needs[i] || (i < flags_above.size() && flags_above.get(i)));
+    }
     stack->emplace_back(std::move(flags));  // `_fwd`'s needs_input_grad
     ForwardCallScope scope(std::nullopt);
+    // Under a transform level the levels below record `_fwd` too (grad mode
+    // stays on for them) and the lowest one takes the record first.
+    std::optional<NestedForwardScope> below_levels;
+    if (nested) below_levels.emplace(op.get());
     at::AutoDispatchBelowADInplaceOrView guard;
-    at::AutoGradMode no_grad(false);  // forwards run without grad, as in autograd.Function
+    at::AutoGradMode no_grad(nested);  // forwards run without grad, as in autograd.Function
     op->forward_op().callBoxed(stack);
     record = scope.take_record();
+    if (!record && below_levels) record = below_levels->take();
   }
   TORCH_CHECK(record.has_value(), op->qualified_name(),
               ": the forward kernel did not report its saved state "
               "(torch_opaque::set_forward_record was not called).");
+  if (above) NestedForwardLink::hand_up(above, *record);
   TORCH_INTERNAL_ASSERT(stack->size() >= n_out + 1);
   c10::List<at::Tensor> residuals = stack->back().toTensorList();
   stack->pop_back();

@@ -21,7 +21,8 @@ bool has_forward_grads(const torch::jit::Stack& stack, size_t n_args) {
 }
 
 void run_with_forward_grads(const OpaqueOp& op, torch::jit::Stack* stack,
-                            const std::function<void(torch::jit::Stack*)>& reverse) {
+                            const std::function<void(torch::jit::Stack*)>& reverse,
+                            size_t n_extra) {
   const auto& def = op.definition();
   auto jvp = c10::Dispatcher::singleton().findSchema(
       {def.ns + "::" + def.name + "_jvp", def.overload});
@@ -33,7 +34,7 @@ void run_with_forward_grads(const OpaqueOp& op, torch::jit::Stack* stack,
   const size_t n_out = op.num_outputs();
   std::vector<c10::IValue> args(stack->end() - n_args, stack->end());
   c10::List<std::optional<at::Tensor>> tangents;
-  bool reverse_needed = false;
+  bool reverse_needed = n_extra > 0;
   for (const c10::IValue& v : args) {
     std::optional<at::Tensor> tangent;
     if (v.isTensor() && v.toTensor().defined()) {
@@ -64,7 +65,7 @@ void run_with_forward_grads(const OpaqueOp& op, torch::jit::Stack* stack,
   if (!reverse_needed) {
     for (auto& v : jvp_stack) stack->push_back(std::move(v));
   }
-  auto outs = torch::jit::last(*stack, n_out);
+  auto outs = torch::jit::last(*stack, n_out + n_extra);
   for (size_t k = 0; k < n_out; ++k) {
     const at::Tensor& out = outs[k].toTensor();
     const at::Tensor& tangent = out_tangents.at(k);

@@ -19,7 +19,10 @@ bool has_forward_grads(const torch::jit::Stack& stack, size_t n_args);
 // from `ns::Name_jvp`; when reverse mode is needed too, the outputs come from
 // `reverse` (which records the backward) and `Name_jvp` gives the tangents.
 // An op without `Name_jvp` raises torch's error for a Function without jvp.
+// `n_extra`: results `reverse` leaves after the outputs (`_fwd`'s residuals);
+// then the outputs always come from `reverse`.
 void run_with_forward_grads(const OpaqueOp& op, torch::jit::Stack* stack,
-                            const std::function<void(torch::jit::Stack*)>& reverse);
+                            const std::function<void(torch::jit::Stack*)>& reverse,
+                            size_t n_extra = 0);
 
 } // namespace torch_opaque::detail
