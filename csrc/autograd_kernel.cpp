@@ -1,6 +1,7 @@
 #include "autograd_kernel.h"
 #include "forward_ad.h"
 #include "nested_grad.h"
+#include "in_place.h"
 
 #include <ATen/core/List.h>
 #include <ATen/core/stack.h>
@@ -218,6 +219,10 @@ void AutogradKernel::operator()(const c10::OperatorHandle& handle,
     return;
   }
   if (has_forward_grads(*stack, op->num_arguments())) {
+    TORCH_CHECK_NOT_IMPLEMENTED(
+        forward_op_ || op->definition().dirty.empty(), "torch_opaque: ", op->qualified_name(),
+        " modifies its arguments in place (ctx.mark_dirty); forward-mode AD through an "
+        "in-place op is not supported. Pass a copy (x.clone()) or use reverse mode.");
     run_with_forward_grads(*op, stack, [&](torch::jit::Stack* s) { reverse(op, handle, keys, s); });
     return;
   }
@@ -284,6 +289,10 @@ void AutogradKernel::reverse(const std::shared_ptr<OpaqueOp>& op,
   // passes its needs_input_grad down.
   const bool nested = under_functorch_level(keys);
   NestedForwardScope* above = forward_op_ ? NestedForwardLink::waiting(op.get()) : nullptr;
+  // `ns::Name` of an in-place op: the arguments it modifies (Note [In-place ops]).
+  const OpDefinition& def = op->definition();
+  std::vector<at::Tensor> dirty;
+  if (!forward_op_ && !def.dirty.empty()) dirty = dirty_arguments(def, *stack, n_args);
   if (!any) {
     if (forward_op_) stack->push_back(std::move(fwd_flags));
     at::AutoDispatchBelowADInplaceOrView guard;
@@ -292,6 +301,7 @@ void AutogradKernel::reverse(const std::shared_ptr<OpaqueOp>& op,
     handle.redispatchBoxed(keys & c10::after_ADInplaceOrView_keyset, stack);
     return;
   }
+  check_in_place(def, dirty, n_out);
 
   // Keep the inputs: they become next edges and may be saved.
   c10::SmallVector<c10::IValue, 8> inputs(stack->end() - n_args, stack->end());
@@ -346,6 +356,7 @@ void AutogradKernel::reverse(const std::shared_ptr<OpaqueOp>& op,
       torch::autograd::collect_next_edges(at::ArrayRef<at::Tensor>(edge_tensors)));
 
   for (size_t k = 0; k < outputs.size(); ++k) {
+    if (!dirty.empty() && rebase_dirty_output(def, dirty, k, outputs, node)) continue;
     const at::Tensor& out = outputs[k];
     const bool diff = out.defined() && (non_diff.empty() || !non_diff[k]) &&
         torch::autograd::isDifferentiableType(out.scalar_type());
@@ -396,6 +407,10 @@ void AutogradKernel::reverse(const std::shared_ptr<OpaqueOp>& op,
     }
   }
   if (forward_op_) stack->emplace_back(std::move(residuals));
+  const size_t first = stack->size() - n_out;
+  for (size_t k = n_out; !dirty.empty() && k-- > 0;) {  // `ns::Name` returns the others
+    if (dirty_argument(def, k)) stack->erase(stack->begin() + first + k);
+  }
 }
 
 } // namespace torch_opaque::detail

@@ -2,6 +2,7 @@
 #include <torch_opaque/opaque_op.h>
 
 #include "autograd_kernel.h"
+#include "in_place.h"
 
 #include <ATen/core/op_registration/op_registration.h>
 #include <ATen/ops/empty_strided.h>
@@ -166,6 +167,8 @@ class InferenceKernel final : public c10::OperatorKernel {
     detail::ForwardCallScope scope(std::nullopt);
     at::AutoGradMode no_grad(false);  // forwards run without grad, as in autograd.Function
     const auto& def = op->definition();
+    std::vector<at::Tensor> dirty;  // Note [In-place ops]
+    if (!def.dirty.empty()) dirty = detail::dirty_arguments(def, *stack, op->num_arguments());
     stack->emplace_back();  // needs_input_grad=None: nothing is recorded
     if (meta_) {
       call_forward(def.meta_forward, op->forward_op().schema(), stack);
@@ -174,6 +177,7 @@ class InferenceKernel final : public c10::OperatorKernel {
                            op->forward_op().schema(), stack);
     }
     stack->pop_back(); // residuals
+    if (!dirty.empty()) detail::write_back(def, dirty, stack, op->num_outputs());
   }
 
  private:
@@ -273,8 +277,18 @@ std::shared_ptr<OpaqueOp> define_op(OpDefinition def) {
   auto lib = std::make_unique<torch::Library>(torch::Library::FRAGMENT, def.ns,
                                               std::nullopt, __FILE__, __LINE__);
   const std::vector<at::Tag> tags = {at::Tag::pt2_compliant_tag};
+  TORCH_CHECK(def.dirty.empty() || !def.differentiate_lists, "torch_opaque: ", qual,
+              ": in-place ops (dirty arguments) differentiate no tensor lists.");
+  for (const auto& [k, i] : def.dirty) {
+    TORCH_CHECK(k < def.returns.size() && def.returns[k] == "Tensor", "torch_opaque: ", qual,
+                ": dirty output ", k, " is not a Tensor output.");
+  }
   try {
-    lib->def(main_schema.c_str(), tags);
+    if (def.dirty.empty()) {
+      lib->def(main_schema.c_str(), tags);
+    } else {  // Note [In-place ops]
+      lib->def(detail::in_place_schema(torch::schema(main_schema.c_str()), def), tags);
+    }
     lib->def(fwd_schema.c_str(), tags);
     lib->def(bwd_schema.c_str(), tags);
   } catch (const std::exception& e) {

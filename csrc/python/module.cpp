@@ -61,7 +61,8 @@ PYBIND11_MODULE(_C, m) {
   m.def(
       "define_op",
       [](std::string ns, std::string name, std::string overload, std::string arguments,
-         std::vector<std::string> returns, py::object forward, py::object backward) {
+         std::vector<std::string> returns, py::object forward, py::object backward,
+         std::vector<std::pair<size_t, size_t>> dirty) {
         OpDefinition def;
         def.ns = std::move(ns);
         def.name = std::move(name);
@@ -70,10 +71,14 @@ PYBIND11_MODULE(_C, m) {
         def.returns = std::move(returns);
         def.forward = make_python_forward(std::move(forward));
         def.backward = make_python_backward(std::move(backward));
+        def.dirty = std::move(dirty);
         return define_op(std::move(def));
       },
       py::arg("ns"), py::arg("name"), py::arg("overload"), py::arg("arguments"),
-      py::arg("returns"), py::arg("forward"), py::arg("backward"));
+      py::arg("returns"), py::arg("forward"), py::arg("backward"),
+      py::arg("dirty") = std::vector<std::pair<size_t, size_t>>(),
+      "Define ns::Name, Name_fwd and Name_bwd; `dirty`: (output, argument) pairs of an "
+      "in-place op (Note [In-place ops] in csrc/in_place.cpp).");
   m.def(
       "release_op",
       [](const OpaqueOp& op, long users) { return release_op(op, users); },

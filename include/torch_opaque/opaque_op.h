@@ -27,6 +27,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace torch_opaque {
@@ -60,6 +61,11 @@ struct OpDefinition {
   // does, and `_bwd` returns one gradient per list element in the argument's
   // place (Note [Tensor-list gradients] in detail/finishers.h).
   bool differentiate_lists = false;
+  // In-place ops (Note [In-place ops] in csrc/in_place.cpp): pairs (output k
+  // of `_fwd`, Tensor argument i) whose result is written into argument i.
+  // `ns::Name` then takes those arguments as `Tensor(a!)` and returns only the
+  // other outputs; `_fwd` stays functional.
+  std::vector<std::pair<size_t, size_t>> dirty;
 };
 
 class OpaqueOp;

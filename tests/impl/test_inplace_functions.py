@@ -1,5 +1,6 @@
 """In-place Functions (ctx.mark_dirty, Note [In-place Functions] in
-torch_opaque/_impl/in_place.py): eager semantics, gradients, export and
+torch_opaque/_impl/in_place.py, Note [In-place ops] in csrc/in_place.cpp):
+ops with a mutable schema (Tensor(a!)); eager semantics, gradients, export and
 compile, each compared with the same Function unwrapped."""
 
 import pytest
@@ -171,22 +172,47 @@ def test_unsupported_in_place_forms_are_refused_clearly():
         F.apply(torch.ones(2), torch.zeros(2))
 
 
-def test_setup_context_style_is_refused_at_wrap_time():
-    class SetupStyle(torch.autograd.Function):
-        @staticmethod
-        def forward(x):
-            return x.mul_(2)
+class ExpInPlaceSetup(torch.autograd.Function):
+    """setup_context style, as NumpyExpMarkDirty in torch's own corpus."""
 
-        @staticmethod
-        def setup_context(ctx, inputs, output):
-            ctx.mark_dirty(inputs[0])
+    @staticmethod
+    def forward(x):
+        x.exp_()
+        return x
 
-        @staticmethod
-        def backward(ctx, g):
-            return 2 * g
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        (x,) = inputs
+        ctx.mark_dirty(x)
+        ctx.save_for_backward(output)
 
-    with pytest.raises(UnsupportedError, match="mark_dirty\\(\\) in a Function with setup_context"):
-        torch_opaque.wrap(SetupStyle, name="DirtySetupStyle")
+    @staticmethod
+    def backward(ctx, g):
+        (y,) = ctx.saved_tensors
+        return g * y
+
+
+OPS[ExpInPlaceSetup] = wrapped(ExpInPlaceSetup)
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_setup_context_style_works_as_stock(compiled):
+    def run(fn):
+        torch.manual_seed(0)
+        base = torch.randn(4, requires_grad=True)
+        a = base * 1
+        before = a._version
+        out = fn(a)
+        assert out is a or compiled
+        (a * torch.arange(4.0)).sum().backward()
+        return a.detach(), a._version - before if not compiled else 0, base.grad
+
+    ref = run(ExpInPlaceSetup.apply)
+    op = OPS[ExpInPlaceSetup].apply
+    got = run(torch.compile(lambda x: op(x), backend="aot_eager", fullgraph=True) if compiled else op)
+    torch.testing.assert_close(got, ref)
+    x = torch.zeros(2)
+    assert torch.ops.opaque.ExpInPlaceSetupOp.Tensor(x) is None and torch.equal(x, torch.ones(2))
 
 
 class Model(torch.nn.Module):
@@ -204,6 +230,67 @@ class Model(torch.nn.Module):
 ExpOp = OPS[ExpInPlace]
 
 
+def op_of(fn_cls, *args):
+    """The OpOverload a call of ``fn_cls.apply(*args)`` runs."""
+    from torch_opaque._impl.function import lookup
+
+    fn = lookup(fn_cls)
+    fn_cls.apply(*args)
+    (ov,) = fn.overloads.values()
+    return ov.op
+
+
+def test_the_op_has_a_mutable_schema_and_calling_it_modifies_the_argument():
+    op = op_of(OPS[MulInPlace], torch.ones(2), 2.0)
+    assert str(op._schema) == "opaque::MulInPlaceOp.Tensor_float(Tensor(a!) x, float k) -> ()"
+    x = torch.ones(3)
+    before = x._version
+    assert op(x, 3.0) is None
+    # as the stock Function bumps it: one write in forward, one for ctx.mark_dirty
+    assert torch.equal(x, torch.full((3,), 3.0)) and x._version == before + 2
+    aux = op_of(OPS[AddInPlaceWithAux], torch.ones(2), torch.ones(2))
+    assert str(aux._schema).endswith("(Tensor(a!) x, Tensor y) -> Tensor")
+    x, y = torch.zeros(3), torch.arange(3.0)
+    torch.testing.assert_close(aux(x, y), y * 2)  # only the output that is not x
+    torch.testing.assert_close(x, y)
+
+
+def test_version_counter_and_grad_fn_as_in_stock():
+    def run(fn):
+        a = torch.randn(4, requires_grad=True) * 1
+        before = a._version
+        out = fn(a, 2.0)
+        return out is a, a._version - before, a.requires_grad, a.is_leaf
+
+    assert run(OPS[MulInPlace].apply) == run(MulInPlace.apply)
+    with torch.no_grad():
+        assert run(OPS[MulInPlace].apply) == run(MulInPlace.apply)
+    b = torch.randn(3, requires_grad=True) * 1
+    OPS[MulInPlace].apply(b, 2.0)
+    assert b.grad_fn.name() == "opaque::MulInPlaceOpBackward"
+
+
+def test_views_the_stock_function_refuses_are_refused_with_its_error():
+    def run(fn):
+        base = torch.randn(6, requires_grad=True) * 1
+        with pytest.raises(RuntimeError, match="modifies inplace an input that is a view"):
+            fn(base[2:], torch.ones(4))
+        return base[2:]._version
+
+    assert run(OPS[AddInPlaceWithAux].apply) == 0  # refused before the write
+    run(AddInPlaceWithAux.apply)
+
+
+def test_forward_mode_ad_of_an_in_place_op_is_refused_clearly():
+    import torch.autograd.forward_ad as fwAD
+
+    with fwAD.dual_level():
+        x = fwAD.make_dual(torch.ones(3), torch.ones(3))
+        with pytest.raises(NotImplementedError, match="torch_opaque: .*MulInPlaceOp.* modifies its "
+                           "arguments in place .*forward-mode AD"):
+            OPS[MulInPlace].apply(x, 2.0)
+
+
 @pytest.mark.parametrize("strict", [False, True])
 def test_export_keeps_one_node_and_functionalizes(strict):
     F = OPS[MulInPlace]
@@ -218,6 +305,16 @@ def test_export_keeps_one_node_and_functionalizes(strict):
     got = ep.module()(x, w)
     torch.testing.assert_close(got, ref)
     torch.testing.assert_close(x, x_ref)  # the input mutation is kept
+    # Functionalized: auto_functionalized_v2 of the op, x written back as an input mutation.
+    core = ep.run_decompositions()
+    hops = [n for n in core.graph.nodes if n.target is torch.ops.higher_order.auto_functionalized_v2]
+    assert sorted(str(n.args[0]) for n in hops) == [
+        "opaque.ExpInPlaceOp.Tensor", "opaque.MulInPlaceOp.Tensor_float"]
+    assert list(core.graph_signature.user_inputs_to_mutate.values()) == ["x"]
+    x = torch.randn(4)
+    x_ref = x.clone()
+    torch.testing.assert_close(core.module()(x, w), Model(MulInPlace.apply)(x_ref, w))
+    torch.testing.assert_close(x, x_ref)
 
 
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
@@ -240,3 +337,21 @@ def test_compile_values_and_grads_equal_stock(backend):
     ref = run(MulInPlace.apply, ExpInPlace.apply, False)
     got = run(OPS[MulInPlace].apply, ExpOp.apply, True)
     torch.testing.assert_close(got, ref)
+
+
+MulOp = OPS[MulInPlace].apply
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_compile_without_grad_functionalizes_the_mutable_op(backend):
+    def f(x, mul, exp):
+        h = x * 2
+        return mul(h, 3.0) + 1, exp(x)
+
+    x = torch.randn(5)
+    x_ref = x.clone()
+    ref = f(x_ref, MulInPlace.apply, ExpInPlace.apply)
+    compiled = torch.compile(lambda x: f(x, MulOp, ExpOp.apply), backend=backend, fullgraph=True)
+    got = compiled(x)
+    torch.testing.assert_close(got, ref)
+    torch.testing.assert_close(x, x_ref)  # the input was modified, as by the stock Function

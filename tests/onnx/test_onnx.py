@@ -514,3 +514,13 @@ def test_string_axis_names():
 def test_module_docstring_example():
     result = doctest.testmod(torch_opaque.onnx, optionflags=doctest.ELLIPSIS)
     assert result.attempted > 0 and result.failed == 0
+
+
+def test_in_place_ops_are_refused_clearly():
+    """Note [In-place Functions]: an op with a mutable schema has no ONNX translation yet."""
+    from opaque_fixtures import inplaceops
+
+    with pytest.raises(OnnxExportError, match="torch_opaque.onnx: opaque::ArchScaleInPlace "
+                       "modifies its arguments in place \\(ctx.mark_dirty\\); ONNX export of "
+                       "in-place opaque ops is not supported yet"):
+        torch_opaque.onnx.export(inplaceops.Net(), (torch.randn(3),))

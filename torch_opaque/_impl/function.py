@@ -100,10 +100,8 @@ class Overload:
         self.name = overload or "default"
         name = fn.display_name
         forward = fn.forward
-        setup = fn.cls.setup_context if fn.setup_style else None
-        user_fake = getattr(fn.cls, "fake", None)
-        if user_fake is not None and fn.dirty:
-            user_fake = in_place.dirty_forward(fn, user_fake)
+        setup = fn.setup
+        user_fake = fn.wrap_forward(getattr(fn.cls, "fake", None))
         self.runner = Runner(name, forward, setup, specs, n_out)
         fake_runner = FakeRunner(
             name, user_fake or forward, setup, specs, n_out, has_user_fake=user_fake is not None
@@ -116,9 +114,12 @@ class Overload:
                 r.encode_ctx = _exact_encoder(r)
         bwd = BackwardRunner(name, backward, specs)
         arguments = schema_arguments(specs)
+        # Note [In-place Functions] (in_place.py): ((output, argument), ...)
+        self.dirty = in_place.dirty_pairs(fn, specs) if fn.dirty else ()
         try:
             self.handle = _C.define_op(
-                fn.namespace, fn.name, overload, arguments, ["Tensor"] * n_out, self.runner, bwd
+                fn.namespace, fn.name, overload, arguments, ["Tensor"] * n_out, self.runner, bwd,
+                self.dirty,
             )
         except RuntimeError as e:
             if "cannot define" not in str(e):
@@ -134,7 +135,7 @@ class Overload:
         self.fwd_op = getattr(getattr(ns, fn.name + "_fwd"), self.name)
         self.bwd_op = getattr(getattr(ns, fn.name + "_bwd"), self.name)
         source = f"torch_opaque wrap of {name}"
-        _register_fake(fn.lib, self.op, InferenceFake(fake_runner), source)
+        _register_fake(fn.lib, self.op, InferenceFake(fake_runner, self.dirty), source)
         _register_fake(fn.lib, self.fwd_op, fake_runner, source)
         _register_fake(fn.lib, self.bwd_op, make_backward_fake(bwd, name), source)
         self.bwd_runner = bwd
@@ -145,6 +146,8 @@ class Overload:
 
     def __call__(self, args):
         out = self.op(*args)
+        if self.dirty:
+            return in_place.results(self, args, out)
         if self.returns_tuple and self.n_out == 1:
             return (out,)
         return out
@@ -228,14 +231,29 @@ class OpaqueFunction:
         # Note [In-place Functions] (in_place.py)
         self.dirty = in_place.uses_mark_dirty(cls)
         self.dirty_pairs = None  # ((output index, argument index), ...) once known
-        if self.dirty:
-            in_place.check_supported(self)
+
+    def wrap_forward(self, forward):
+        """``forward`` (or the user's ``fake``) as the op's kernels run it:
+        on copies of the arguments for in-place Functions (Note [In-place
+        Functions])."""
+        if forward is None or not self.dirty:
+            return forward
+        if self.setup_style:
+            return in_place.dirty_setup_forward(forward)
+        return in_place.dirty_forward(self, forward)
 
     @property
     def forward(self):
         """The forward the op's kernels run (Note [In-place Functions])."""
-        forward = self.cls.forward
-        return in_place.dirty_forward(self, forward) if self.dirty else forward
+        return self.wrap_forward(self.cls.forward)
+
+    @property
+    def setup(self):
+        """The setup_context the op's kernels run, or None."""
+        if not self.setup_style:
+            return None
+        setup = self.cls.setup_context
+        return in_place.dirty_setup(self, setup) if self.dirty else setup
 
     @property
     def cls(self) -> type:
@@ -279,9 +297,8 @@ class OpaqueFunction:
         primed = None
         if ov is None:
             ov, primed = self._first_call(values)
-        if self.dirty:
-            out = ov.call_primed(values, *primed) if primed is not None else ov(values)
-            return in_place.write_back(self, values, out)
+        if self.dirty:  # the results hold the arguments: no C-level apply
+            return ov.call_primed(values, *primed) if primed is not None else ov(values)
         if self.explicit and not kwargs and len(args) == len(values):
             key = tuple(map(type, args))
             if key not in self.direct_keys and list not in key and tuple not in key:
@@ -315,6 +332,8 @@ class OpaqueFunction:
             overload = "_".join(s.token for s in specs) or "noargs"
         ov = self.overloads.get(overload or "default")
         if ov is None:
+            if self.dirty and self.dirty_pairs is None:  # learnt from a (fake) run
+                self._probe(specs, values)
             if outputs is not None:
                 n_out, returns_tuple = _output_structure(self.display_name, outputs)
             else:
@@ -350,7 +369,7 @@ class OpaqueFunction:
         defines it then registers the op, and ``torch.export.load`` of a program
         calling it works in a fresh process. Others are defined by their first
         call of each kind of arguments (None here)."""
-        if self.hint_specs is None:
+        if self.hint_specs is None or self.dirty:  # dirty outputs are known from a run
             return None
         returns = self.returns_hint
         if returns is None:
@@ -379,8 +398,7 @@ class OpaqueFunction:
         names = [f"arg{i}" for i in range(len(values))] if self.varargs else self.arg_names
         if self.hint_specs is None:  # schema errors before the forward runs
             specs_from_values(names, values, self.defaults, self.display_name)
-        setup = self.cls.setup_context if self.setup_style else None
-        runner = Runner(self.display_name, self.forward, setup, [], -1, arg_names=names)
+        runner = Runner(self.display_name, self.forward, self.setup, [], -1, arg_names=names)
         out, ctx = runner.run_first(needs, values)
         return self.overload_for(values, outputs=out), (out, ctx)
 
@@ -390,11 +408,10 @@ class OpaqueFunction:
         from torch.utils._python_dispatch import _disable_current_modes
 
         user_fake = getattr(self.cls, "fake", None)
-        setup = self.cls.setup_context if self.setup_style else None
+        setup = self.setup
         runner = FakeRunner(
             self.display_name,
-            (in_place.dirty_forward(self, user_fake) if user_fake and self.dirty else user_fake)
-            or self.forward,
+            self.wrap_forward(user_fake) or self.forward,
             setup,
             specs,
             n_out=-1,

@@ -175,11 +175,16 @@ class FakeRunner(Runner):
 class InferenceFake:
     """Fake kernel of the main op: outputs only."""
 
-    def __init__(self, runner: FakeRunner):
+    def __init__(self, runner: FakeRunner, dirty=()):
         self.runner = runner
+        self.dirty = {k for k, _ in dirty}  # outputs an in-place op writes into arguments
 
     def __call__(self, *args):
         outs = self.runner(*args)[:-1]
+        if self.dirty:
+            outs = tuple(o for k, o in enumerate(outs) if k not in self.dirty)
+            if not outs:
+                return None
         return outs[0] if len(outs) == 1 else outs
 
 

@@ -80,6 +80,14 @@ def _define_python_overload(fn, ov: OverloadRecord, description: str) -> None:
             f"({schema_arguments(specs)}), but {description} was saved with "
             f"{ov.schema}; the Function changed since the archive was written."
         )
+    if fn.dirty != bool(ov.dirty) or (fn.dirty_pairs or tuple(ov.dirty)) != tuple(ov.dirty):
+        raise ArchiveError(
+            f"torch_opaque.load: {fn.cls.__module__}.{fn.cls.__qualname__} now modifies "
+            f"{'arguments' if fn.dirty else 'no argument'} in place, but {description} was saved "
+            f"with {ov.schema}; the Function changed since the archive was written."
+        )
+    if fn.dirty:  # Note [In-place Functions]: known without running the forward
+        fn.dirty_pairs = tuple(ov.dirty)
     fn.define_overload(name, specs, ov.n_out, ov.returns_tuple, values)
 
 

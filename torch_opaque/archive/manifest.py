@@ -28,6 +28,9 @@ from .._impl.bridge import SavedKind
 from ..errors import ArchiveError
 from .values import DTYPES, decode_value
 
+# The alias annotation of an in-place op's argument: Tensor(a!)
+_ALIAS_RE = re.compile(r"\([a-z]!\)")
+
 MANIFEST = "torch_opaque.json"
 PROGRAM_PREFIX = "torch_opaque.program."
 FORMAT = "torch_opaque.archive"
@@ -158,6 +161,9 @@ class OverloadRecord:
     calls: Calls = dataclasses.field(default_factory=Calls)
     tokens: Optional[list] = None  # how the Function's overload was inferred
     variants: list = dataclasses.field(default_factory=list)  # VariantRecord
+    # In-place ops: [output, argument] pairs (Note [In-place Functions]); the
+    # schema annotates those arguments Tensor(a!) and omits those outputs.
+    dirty: list = dataclasses.field(default_factory=list)
 
     def to_json(self) -> dict:
         d = {
@@ -172,6 +178,8 @@ class OverloadRecord:
         }
         if self.tokens is not None:
             d["tokens"] = list(self.tokens)
+        if self.dirty:
+            d["dirty"] = [list(p) for p in self.dirty]
         if self.variants:
             d["variants"] = [v.to_json() for v in self.variants]
         return d
@@ -408,10 +416,15 @@ def _overload(version: int, ns: str, name: str):
         if schema.name != want or (schema.overload_name or "default") != overload:
             raise _Invalid(o.field("schema"), f"names {schema.name}.{schema.overload_name or 'default'}, not {want}.{overload}")
         arguments = o.get("arguments", _str(max_len=1 << 16))
-        if schema_str[schema_str.index("(") + 1 : schema_str.rindex(") ->")] != arguments:
+        written = schema_str[schema_str.index("(") + 1 : schema_str.rindex(") ->")]
+        if _ALIAS_RE.sub("", written) != arguments:
             raise _Invalid(o.field("arguments"), f"{arguments!r} are not the arguments of the schema")
         n_out = o.get("n_out", _int(1, 1 << 12))
-        if n_out != len(schema.returns):
+        dirty = o.get("dirty", _list(_list(_int(0, 1 << 12), 2), 1 << 12), default=[])
+        mutable = [i for i, a in enumerate(schema.arguments) if a.alias_info is not None]
+        if sorted(i for _, i in dirty) != mutable or any(len(p) != 2 or p[0] >= n_out for p in dirty):
+            raise _Invalid(o.field("dirty"), f"{dirty} do not name the schema's Tensor(a!) arguments")
+        if n_out != len(schema.returns) + len(dirty):
             raise _Invalid(o.field("n_out"), f"{n_out}, but the schema returns {len(schema.returns)}")
         calls = o.get("calls", lambda c, g: Calls(**{k: _Obj(c, g).get(k, _int(0, 1 << 40), default=0) for k in ("op", "fwd", "bwd")}), default=Calls())
         n_args = len(schema.arguments)
@@ -425,6 +438,7 @@ def _overload(version: int, ns: str, name: str):
             bwd_schema=o.get("bwd_schema", _str(max_len=1 << 16), default=None),
             calls=calls,
             tokens=o.get("tokens", _list(_one_of(TOKENS), 4096), default=None),
+            dirty=[tuple(p) for p in dirty],
             variants=[
                 _variant(version, i, n_out, n_args)(x, f"{o.field('variants')}[{i}]")
                 for i, x in enumerate(o.get("variants", _list(lambda x, g: x, 4096), default=[]))

@@ -98,6 +98,7 @@ def _overload_record(rec: _OpCalls, overload: str) -> OverloadRecord:
         ov.tokens = [s.token for s in py_ov.specs]
         ov.returns_tuple = py_ov.returns_tuple
         ov.n_out = py_ov.n_out
+        ov.dirty = [tuple(p) for p in py_ov.dirty]
     elif sov is not None:
         ov.tokens = sov.record.tokens
         ov.returns_tuple = sov.record.returns_tuple
@@ -130,6 +131,14 @@ def save(ep, path, *, self_contained: bool = False) -> None:
             sov = S.stored_overload(rec.namespace, rec.name, overload)
             if sov is None and not self_contained:
                 continue
+            fn = _function(rec)
+            if fn is not None and fn.dirty:
+                raise ArchiveError(
+                    f"torch_opaque.save(self_contained=True): {rec.qualified_name} "
+                    f"({fn.cls.__module__}.{fn.cls.__qualname__}) modifies its arguments in place "
+                    f"(ctx.mark_dirty); self-contained archives cannot store in-place ops yet. "
+                    f"Save without self_contained=True (the loading process imports the module)."
+                )
             variants, programs = store_overload(rec, overload, files, counter, _function(rec), sov)
             stored_variants[(rec.namespace, rec.name, overload)] = variants
             worklist += _collect(programs, records, count=False)

@@ -92,28 +92,25 @@ def _emit(tx, fn, arg_vts, ov):
 
     op_vt = VariableTracker.build(tx, ov.op)
     out = op_vt.call_function(tx, arg_vts, {})
+    if ov.dirty:
+        return _in_place_results(fn, arg_vts, ov, out)
     if ov.returns_tuple and ov.n_out == 1:
         out = TupleVariable([out])
-    if fn.dirty:
-        out = _write_back(tx, fn, arg_vts, ov, out)
     return out
 
 
-def _write_back(tx, fn, arg_vts, ov, out):
-    """Note [In-place Functions] (torch_opaque/_impl/in_place.py): each dirty
-    output is copied into its argument, which takes its place in the result."""
+def _in_place_results(fn, arg_vts, ov, out):
+    """Note [In-place Functions] (torch_opaque/_impl/in_place.py): the op
+    returns the outputs it does not write into arguments; each modified
+    argument takes its place in the Function's result."""
     from torch._dynamo.variables.lists import TupleVariable
 
-    if fn.dirty_pairs is None:  # no run yet (a schema from hints): a fake one
-        fn._probe(ov.specs, [_example(vt) for vt in arg_vts])
-    if not fn.dirty_pairs:
-        return out
-    as_tuple = isinstance(out, TupleVariable)
-    outs = list(out.items) if as_tuple else [out]
-    for k, i in fn.dirty_pairs:
-        arg_vts[i].call_method(tx, "copy_", [outs[k]], {})
-        outs[k] = arg_vts[i]
-    return TupleVariable(outs) if as_tuple else outs[0]
+    from .._impl import in_place
+
+    n_rest = ov.n_out - len(ov.dirty)
+    rest = [] if n_rest == 0 else list(out.items) if n_rest > 1 else [out]
+    outs = in_place.place_arguments(ov.dirty, ov.n_out, arg_vts, rest)
+    return TupleVariable(outs) if ov.returns_tuple else outs[0]
 
 
 def _routed_call_apply(original):

@@ -136,6 +136,12 @@ class _Exporter(FunctionBodies):
     def _check(self, fx_node: torch.fx.Node, info: OpaqueInfo) -> None:
         qual, mapped = info.qualified_name, self.mapping.get(info.qualified_name)
         self.seen.add(qual)
+        if getattr(info.target, "_schema", None) is not None and info.target._schema.is_mutable:
+            raise OnnxExportError(  # Note [In-place Functions] (_impl/in_place.py)
+                f"torch_opaque.onnx: {qual} modifies its arguments in place (ctx.mark_dirty); "
+                f"ONNX export of in-place opaque ops is not supported yet. Export a model "
+                f"without it, or make the Function's forward return a new tensor."
+            )
         if self.with_functions and mapped is None:
             _refuse_list_results(info)
         if info.role != "op":
