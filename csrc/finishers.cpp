@@ -20,6 +20,22 @@ bool aliases_any(const at::Tensor& t, c10::ArrayRef<at::Tensor> others) {
   return false;
 }
 
+// Note [Eager context state] for C++ ops: an eager call hands the backward
+// the forward's ctx.saved_data as it is; a traced backward encodes it.
+class SavedDataState final : public EagerState {
+ public:
+  explicit SavedDataState(std::map<std::string, c10::IValue> data) : data_(std::move(data)) {}
+  void encode(std::string& state, std::vector<c10::SymInt>& state_ints,
+              std::vector<at::Tensor>& /*saved*/) const override {
+    // check_saved_data accepted every entry when the forward finished.
+    state = encode_saved_data("torch_opaque", data_, &state_ints);
+  }
+  const std::map<std::string, c10::IValue>& data() const { return data_; }
+
+ private:
+  std::map<std::string, c10::IValue> data_;
+};
+
 } // namespace
 
 void finish_forward(const std::string& op_name, Context& ctx,
@@ -32,7 +48,10 @@ void finish_forward(const std::string& op_name, Context& ctx,
     outcome.saved = ctx.saved_tensors();
     outcome.non_differentiable = ctx.non_differentiable();
     outcome.materialize_grads = ctx.materialize_grads();
-    outcome.state = encode_saved_data(op_name, ctx.saved_data, &outcome.state_ints);
+    if (!ctx.saved_data.empty()) {
+      check_saved_data(op_name, ctx.saved_data);  // errors at the forward, as when encoding
+      outcome.eager_state = std::make_shared<SavedDataState>(std::move(ctx.saved_data));
+    }
   }
   finish_forward(op_name, inputs, std::move(outcome), recording, stack);
 }
@@ -159,11 +178,16 @@ BackwardArgs pop_backward_args(torch::jit::Stack* stack) {
   return a;
 }
 
-std::pair<Context, std::vector<at::Tensor>> start_backward(torch::jit::Stack* stack) {
+std::pair<Context, std::vector<at::Tensor>> start_backward(const c10::FunctionSchema& bwd_schema,
+                                                           torch::jit::Stack* stack) {
   BackwardArgs a = pop_backward_args(stack);
   Context ctx(std::move(a.needs_input_grad));
   ctx.set_saved_tensors(std::move(a.saved));
-  ctx.saved_data = decode_saved_data(a.state, a.state_ints);
+  if (const auto* eager = dynamic_cast<const SavedDataState*>(current_eager_state(bwd_schema))) {
+    ctx.saved_data = eager->data();  // a copy: the node may run its backward again
+  } else {
+    ctx.saved_data = decode_saved_data(a.state, a.state_ints);
+  }
   return {std::move(ctx), std::move(a.grads)};
 }
 

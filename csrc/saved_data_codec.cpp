@@ -163,6 +163,20 @@ std::string encode_saved_data(const std::string& op_name,
   return out;
 }
 
+void check_saved_data(const std::string& op_name,
+                      const std::map<std::string, c10::IValue>& data) {
+  for (const auto& entry : data) {
+    const c10::IValue& v = entry.second;
+    const bool ok = v.isNone() || v.isBool() || v.isInt() || v.isSymInt() || v.isDouble() ||
+        v.isString() || v.isIntList() || v.isDoubleList() || v.isBoolList() ||
+        (v.isList() && is_symint_list(v));
+    if (!ok) {
+      std::vector<c10::SymInt> ints;
+      encode_saved_data(op_name, {entry}, &ints);  // raises the error naming it
+    }
+  }
+}
+
 std::map<std::string, c10::IValue> decode_saved_data(const std::string& state,
                                                      const std::vector<c10::SymInt>& ints) {
   std::map<std::string, c10::IValue> data;

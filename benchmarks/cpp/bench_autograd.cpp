@@ -8,25 +8,30 @@
 //   fwd_bwd:  x (float, requires_grad) -> y = op(x, 2.0); backward(y, ones);
 //             x.grad reset each iteration (so AccumulateGrad always steals).
 //   fwd_only: NoGradGuard, x does not require grad -> y = op(x, 2.0).
-// One intra-op thread. At the end a table of per-call medians (CPU time and
-// wall time) and the ratio torch_opaque / handwritten is printed.
+// One intra-op thread.
 //
-// Run with e.g. --benchmark_repetitions=20 --benchmark_enable_random_interleaving=true
-// (see run.sh). On a shared machine prefer the CPU-time column.
+// Method (as benchmarks/bench_eager.py): per case and size, paired rounds;
+// each round times a loop of calls of each op with the CPU time of the calling
+// thread (so other processes on a loaded machine count less), in an order
+// that alternates from round to round; the ratio torch_opaque / handwritten is
+// taken within the round, then the median and the spread (min..max over
+// rounds) of those ratios are reported, with the median us/call of each op.
+//
+//   bench_autograd [--rounds N] [--iters N]   (defaults 15 rounds, 2000 calls
+//                                             per op per round at size 16,
+//                                             a quarter of that at 4096)
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
-#include <benchmark/benchmark.h>
 #include <torch/torch.h>
 
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
-#include <iostream>
-#include <map>
+#include <cstring>
+#include <ctime>
+#include <functional>
 #include <string>
 #include <vector>
-
-#include <unistd.h>
 
 namespace {
 
@@ -43,24 +48,29 @@ const std::vector<std::pair<std::string, std::string>> kImpls = {
 };
 const std::vector<int64_t> kSizes = {16, 4096};
 
-void fwd_bwd(benchmark::State& state, OpHandle op, int64_t n) {
-  at::Tensor x = torch::randn({n}).requires_grad_();
-  at::Tensor g = torch::ones({n});
-  for (auto _ : state) {
-    at::Tensor y = op.call(x, 2.0);
-    torch::autograd::backward({y}, {g});
-    benchmark::DoNotOptimize(x.grad().data_ptr());
-    x.mutable_grad().reset();
-  }
+// A loop of `n` calls.
+using Loop = std::function<void(int64_t n)>;
+
+Loop fwd_bwd(OpHandle op, int64_t size) {
+  at::Tensor x = torch::randn({size}).requires_grad_();
+  at::Tensor g = torch::ones({size});
+  return [op, x, g](int64_t n) mutable {
+    for (int64_t i = 0; i < n; ++i) {
+      at::Tensor y = op.call(x, 2.0);
+      torch::autograd::backward({y}, {g});
+      x.mutable_grad().reset();
+    }
+  };
 }
 
-void fwd_only(benchmark::State& state, OpHandle op, int64_t n) {
-  torch::NoGradGuard no_grad;
-  at::Tensor x = torch::randn({n});
-  for (auto _ : state) {
-    at::Tensor y = op.call(x, 2.0);
-    benchmark::DoNotOptimize(y.data_ptr());
-  }
+Loop fwd_only(OpHandle op, int64_t size) {
+  at::Tensor x = torch::randn({size});
+  return [op, x](int64_t n) {
+    torch::NoGradGuard no_grad;
+    for (int64_t i = 0; i < n; ++i) {
+      at::Tensor y = op.call(x, 2.0);
+    }
+  };
 }
 
 // Both ops compute the same values and gradients, and run on meta tensors.
@@ -82,95 +92,83 @@ void check_ops() {
               "gradients differ");
 }
 
-struct Stat {
-  double cpu = 0, real = 0;  // per call, in the benchmark's time unit
-  std::string unit;
+double thread_seconds() {
+  timespec ts{};
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+  return static_cast<double>(ts.tv_sec) + 1e-9 * static_cast<double>(ts.tv_nsec);
+}
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  const size_t n = v.size();
+  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+struct Row {
+  double hand_us, opaque_us, ratio, lo, hi;
 };
 
-// Console output as usual; keeps the median (or, without repetitions, the
-// only) run of each benchmark, and the min across repetitions.
-class CollectingReporter : public benchmark::ConsoleReporter {
- public:
-  CollectingReporter() : ConsoleReporter(isatty(fileno(stdout)) ? OO_Defaults : OO_Tabular) {}
-  std::map<std::string, Stat> median, min;
-  int64_t repetitions = 1;
-
-  void ReportRuns(const std::vector<Run>& runs) override {
-    ConsoleReporter::ReportRuns(runs);
-    for (const Run& r : runs) {
-      if (r.error_occurred) continue;
-      const std::string name = r.run_name.function_name;
-      Stat s{r.GetAdjustedCPUTime(), r.GetAdjustedRealTime(),
-             benchmark::GetTimeUnitString(r.time_unit)};
-      if (r.run_type == Run::RT_Aggregate) {
-        if (r.aggregate_name == "median") median[name] = s;
-        if (r.aggregate_name == "min") min[name] = s;
-        repetitions = std::max<int64_t>(repetitions, r.repetitions);
-      } else if (r.repetitions <= 1) {
-        median[name] = min[name] = s;
-      }
+// Paired rounds of the two loops; round 0 warms up.
+Row paired_rounds(Loop& hand, Loop& opaque, int64_t n, int rounds) {
+  std::vector<double> th, to, ratios;
+  for (int r = 0; r <= rounds; ++r) {
+    double t[2] = {0, 0};
+    const int64_t k = r == 0 ? std::max<int64_t>(3, n / 5) : n;
+    for (int j = 0; j < 2; ++j) {
+      const int which = (r + j) % 2;  // the order alternates
+      Loop& loop = which == 0 ? hand : opaque;
+      const double t0 = thread_seconds();
+      loop(k);
+      t[which] = (thread_seconds() - t0) / static_cast<double>(k);
     }
+    if (r == 0) continue;
+    th.push_back(t[0] * 1e6);
+    to.push_back(t[1] * 1e6);
+    ratios.push_back(t[1] / t[0]);
   }
-};
-
-void print_table(const CollectingReporter& rep) {
-  std::printf("\nPer-call medians over %lld repetitions (min in brackets); ratio = "
-              "torch_opaque / handwritten\n",
-              static_cast<long long>(rep.repetitions));
-  std::printf("%-9s %5s | %-25s %-25s %6s | %6s %s\n", "case", "size", "handwritten cpu",
-              "torch_opaque cpu", "ratio", "ratio", "(wall)");
-  bool pass = true;
-  int rows = 0;
-  for (const char* c : {"fwd_bwd", "fwd_only"}) {
-    for (int64_t n : kSizes) {
-      const std::string base = std::string(c) + "/" + std::to_string(n) + "/";
-      auto h = rep.median.find(base + "handwritten"), o = rep.median.find(base + "torch_opaque");
-      if (h == rep.median.end() || o == rep.median.end()) continue;
-      auto hm = rep.min.at(base + "handwritten"), om = rep.min.at(base + "torch_opaque");
-      const double ratio = o->second.cpu / h->second.cpu;
-      const double wall = o->second.real / h->second.real;
-      pass &= ratio <= 1.05;
-      ++rows;
-      char hs[64], os[64];
-      std::snprintf(hs, sizeof(hs), "%8.2f %s [%8.2f]", h->second.cpu, h->second.unit.c_str(), hm.cpu);
-      std::snprintf(os, sizeof(os), "%8.2f %s [%8.2f]", o->second.cpu, o->second.unit.c_str(), om.cpu);
-      std::printf("%-9s %5lld | %-25s %-25s %6.3f | %6.3f %s\n", c, static_cast<long long>(n),
-                  hs, os, ratio, wall, ratio <= 1.05 ? "PASS" : "MISS");
-    }
-  }
-  if (rows == 0) {
-    std::printf("no handwritten/torch_opaque pair was run\n");
-    return;
-  }
-  std::printf("target torch_opaque/handwritten <= 1.05 (cpu-time medians, all rows): %s\n",
-              pass ? "PASS" : "MISS");
+  return {median(th), median(to), median(ratios),
+          *std::min_element(ratios.begin(), ratios.end()),
+          *std::max_element(ratios.begin(), ratios.end())};
 }
 
 } // namespace
 
 int main(int argc, char** argv) {
-  at::set_num_threads(1);
-  check_ops();
-  for (const char* c : {"fwd_bwd", "fwd_only"}) {
-    for (int64_t n : kSizes) {
-      for (const auto& [impl, name] : kImpls) {
-        OpHandle op = find_op(name.c_str());
-        auto fn = std::string(c) == "fwd_bwd" ? fwd_bwd : fwd_only;
-        benchmark::RegisterBenchmark(
-            (std::string(c) + "/" + std::to_string(n) + "/" + impl).c_str(),
-            [fn, op, n](benchmark::State& s) { fn(s, op, n); })
-            ->Unit(benchmark::kMicrosecond)
-            ->ComputeStatistics("min", [](const std::vector<double>& v) {
-              return *std::min_element(v.begin(), v.end());
-            });
-      }
+  int rounds = 15;
+  int64_t iters = 2000;
+  for (int i = 1; i < argc; ++i) {
+    if (!std::strcmp(argv[i], "--rounds") && i + 1 < argc) {
+      rounds = std::max(1, std::atoi(argv[++i]));
+    } else if (!std::strcmp(argv[i], "--iters") && i + 1 < argc) {
+      iters = std::max<int64_t>(1, std::atoll(argv[++i]));
+    } else {
+      std::fprintf(stderr, "usage: %s [--rounds N] [--iters N]\n", argv[0]);
+      return 2;
     }
   }
-  benchmark::Initialize(&argc, argv);
-  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
-  CollectingReporter reporter;
-  benchmark::RunSpecifiedBenchmarks(&reporter);
-  print_table(reporter);
-  benchmark::Shutdown();
+  at::set_num_threads(1);
+  check_ops();
+  std::printf("torch_opaque vs hand-written C++ op, float32, 1 thread; %d paired rounds "
+              "(thread CPU time, order alternating, ratio within each round)\n\n",
+              rounds);
+  std::printf("%-9s %5s | %16s %16s | %6s  %-13s\n", "case", "size", "handwritten us",
+              "torch_opaque us", "ratio", "spread");
+  bool pass = true;
+  for (const char* c : {"fwd_bwd", "fwd_only"}) {
+    for (int64_t size : kSizes) {
+      auto make = std::string(c) == "fwd_bwd" ? fwd_bwd : fwd_only;
+      Loop hand = make(find_op(kImpls[0].second.c_str()), size);
+      Loop opaque = make(find_op(kImpls[1].second.c_str()), size);
+      const int64_t n = size <= 16 ? iters : std::max<int64_t>(20, iters / 4);
+      const Row row = paired_rounds(hand, opaque, n, rounds);
+      pass &= row.ratio <= 1.05;
+      std::printf("%-9s %5lld | %16.2f %16.2f | %5.3fx  [%.3f..%.3f] %s\n", c,
+                  static_cast<long long>(size), row.hand_us, row.opaque_us, row.ratio, row.lo,
+                  row.hi, row.ratio <= 1.05 ? "PASS" : "MISS");
+      std::fflush(stdout);
+    }
+  }
+  std::printf("target torch_opaque/handwritten <= 1.05 (median of per-round ratios, all rows): %s\n",
+              pass ? "PASS" : "MISS");
   return 0;
 }

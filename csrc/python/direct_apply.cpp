@@ -14,6 +14,31 @@
 #include <vector>
 
 namespace torch_opaque::python {
+
+bool may_override(PyObject* o) {
+  if (THPVariable_CheckExact(o) || o == Py_None || PyLong_CheckExact(o) ||
+      PyFloat_CheckExact(o) || PyBool_Check(o) || PyUnicode_CheckExact(o)) {
+    return false;
+  }
+  static PyObject* name = PyUnicode_InternFromString("__torch_function__");
+  static PyObject* disabled = [] {
+    PyObject* torch_c = PyImport_ImportModule("torch._C");
+    PyObject* impl =
+        torch_c ? PyObject_GetAttrString(torch_c, "_disabled_torch_function_impl") : nullptr;
+    Py_XDECREF(torch_c);
+    PyErr_Clear();
+    return impl;  // kept for the life of the process
+  }();
+  PyObject* impl = PyObject_GetAttr(reinterpret_cast<PyObject*>(Py_TYPE(o)), name);
+  if (!impl) {
+    PyErr_Clear();
+    return false;
+  }
+  const bool overrides = impl != disabled;
+  Py_DECREF(impl);
+  return overrides;
+}
+
 namespace {
 
 // One registered argument-type signature and the overload it calls.
@@ -43,34 +68,6 @@ const Entry* match(const DirectApply* self, PyObject* const* args, size_t n) {
     if (ok) return &e;
   }
   return nullptr;
-}
-
-// Whether `o` takes part in __torch_function__ dispatch, as torch decides it:
-// exact Tensors and plain Python scalars never do; other objects do when
-// their type has a __torch_function__ other than the disabled one (which
-// torch.nn.Parameter uses).
-bool may_override(PyObject* o) {
-  if (THPVariable_CheckExact(o) || o == Py_None || PyLong_CheckExact(o) ||
-      PyFloat_CheckExact(o) || PyBool_Check(o) || PyUnicode_CheckExact(o)) {
-    return false;
-  }
-  static PyObject* name = PyUnicode_InternFromString("__torch_function__");
-  static PyObject* disabled = [] {
-    PyObject* torch_c = PyImport_ImportModule("torch._C");
-    PyObject* impl =
-        torch_c ? PyObject_GetAttrString(torch_c, "_disabled_torch_function_impl") : nullptr;
-    Py_XDECREF(torch_c);
-    PyErr_Clear();
-    return impl;  // kept for the life of the process
-  }();
-  PyObject* impl = PyObject_GetAttr(reinterpret_cast<PyObject*>(Py_TYPE(o)), name);
-  if (!impl) {
-    PyErr_Clear();
-    return false;
-  }
-  const bool overrides = impl != disabled;
-  Py_DECREF(impl);
-  return overrides;
 }
 
 PyObject* call_entry(const Entry& e, PyObject* const* args, size_t n) {

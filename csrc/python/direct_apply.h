@@ -15,6 +15,12 @@
 
 namespace torch_opaque::python {
 
+// Whether `o` takes part in __torch_function__ dispatch, as torch decides it:
+// exact Tensors and plain Python scalars never do; other objects do when
+// their type has a __torch_function__ other than the disabled one (which
+// torch.nn.Parameter uses).
+bool may_override(PyObject* o);
+
 // Adds the DirectApply type to module `m`; returns false with a Python error set.
 bool add_direct_apply_type(PyObject* m);
 

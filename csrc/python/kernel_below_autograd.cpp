@@ -48,8 +48,16 @@ py::tuple record_to_python(const ForwardRecord& record) {
   }
   py::list non_diff;
   for (bool b : record.non_differentiable) non_diff.append(b);
-  return py::make_tuple(saved, non_diff, record.materialize_grads, record.state,
-                        record.state_ints);
+  // A C++ forward keeps ctx.saved_data as it is (Note [Eager context state]);
+  // the record returned here is written into graphs, so it is encoded.
+  std::string state = record.state;
+  std::vector<c10::SymInt> state_ints = record.state_ints;
+  if (record.eager_state) {
+    std::vector<at::Tensor> state_tensors;
+    record.eager_state->encode(state, state_ints, state_tensors);
+    TORCH_INTERNAL_ASSERT(state_tensors.empty(), "a C++ forward's saved_data holds no tensors");
+  }
+  return py::make_tuple(saved, non_diff, record.materialize_grads, state, state_ints);
 }
 
 py::tuple call_kernel_below_autograd(const std::string& name, const std::string& overload,

@@ -2,6 +2,7 @@
 #include "context_types.h"
 #include "direct_apply.h"
 #include "kernel_below_autograd.h"
+#include "op_call.h"
 #include "python_kernel.h"
 
 #include <torch_opaque/fake_checks.h>
@@ -49,7 +50,8 @@ PYBIND11_MODULE(_C, m) {
   using namespace torch_opaque;
   using namespace torch_opaque::python;
   m.doc() = "torch_opaque C++ core";
-  if (!add_direct_apply_type(m.ptr()) || !add_context_types(m.ptr())) {
+  if (!add_direct_apply_type(m.ptr()) || !add_op_call_type(m.ptr()) ||
+      !add_context_types(m.ptr())) {
     throw py::error_already_set();
   }
   py::class_<OpaqueOp, std::shared_ptr<OpaqueOp>>(m, "OpaqueOp")

@@ -156,8 +156,9 @@ BoxedKernel forward_kernel(Fn fn, std::string op_name) {
 template <class Op, bool HasLists>
 BoxedKernel backward_kernel(std::string op_name, std::vector<bool> tensor_args,
                             std::vector<bool> list_args) {
-  return [op_name, tensor_args, list_args](const c10::FunctionSchema&, torch::jit::Stack* stack) {
-    auto [ctx, grads] = start_backward(stack);
+  return [op_name, tensor_args, list_args](const c10::FunctionSchema& schema,
+                                          torch::jit::Stack* stack) {
+    auto [ctx, grads] = start_backward(schema, stack);
     std::vector<int64_t> list_sizes;
     if constexpr (HasLists) list_sizes = take_list_sizes(ctx);
     c10::SmallVector<at::Tensor, 4> grad_outputs(grads.begin(), grads.end());

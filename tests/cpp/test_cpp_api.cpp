@@ -220,6 +220,7 @@ TEST(CppApi, SavedDataRoundTrips) {
   data["F"] = std::vector<double>{1.5, -2.25};
   data["B"] = c10::List<bool>({true, false});
   data["E"] = std::vector<int64_t>{};
+  EXPECT_NO_THROW(torch_opaque::detail::check_saved_data("t", data));
   std::vector<c10::SymInt> ints;
   std::string s = torch_opaque::detail::encode_saved_data("t", data, &ints);
   auto back = torch_opaque::detail::decode_saved_data(s, ints);
@@ -244,6 +245,65 @@ TEST(CppApi, UnsupportedSavedDataIsAClearError) {
   } catch (const c10::Error& e) {
     EXPECT_NE(std::string(e.what()).find("ctx.saved_data[\"t\"] holds a Tensor"), std::string::npos)
         << e.what();
+  }
+}
+
+// Keeps a tensor in saved_data, which the backward op cannot take.
+struct TensorInSavedData {
+  static at::Tensor forward(torch_opaque::Context& ctx, const at::Tensor& x) {
+    ctx.saved_data["t"] = x;
+    return x * 2;
+  }
+  static std::vector<at::Tensor> backward(torch_opaque::Context&, std::vector<at::Tensor> grads) {
+    return {grads[0] * 2};
+  }
+};
+TORCH_OPAQUE_DEF(TensorInSavedData, "opaque_cpp_test::tensor_in_saved_data", "x");
+
+TEST(CppApi, UnsupportedSavedDataFailsTheForwardCall) {
+  at::Tensor x = torch::ones({2}, torch::requires_grad());
+  auto op = c10::Dispatcher::singleton()
+                .findSchemaOrThrow("opaque_cpp_test::tensor_in_saved_data", "")
+                .typed<at::Tensor(const at::Tensor&)>();
+  try {
+    op.call(x);
+    FAIL() << "the forward should have been refused";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("ctx.saved_data[\"t\"] holds a Tensor"),
+              std::string::npos)
+        << e.what();
+  }
+  EXPECT_TRUE(torch::equal(op.call(x.detach()), x.detach() * 2));  // not recorded: no state
+}
+
+// Its backward reads saved_data["k"], then overwrites it.
+struct ConsumesSavedData {
+  static at::Tensor forward(torch_opaque::Context& ctx, const at::Tensor& x, double k) {
+    ctx.saved_data["k"] = k;
+    ctx.saved_data["shape"] = x.sizes().vec();
+    return x * k;
+  }
+  static std::vector<at::Tensor> backward(torch_opaque::Context& ctx,
+                                          std::vector<at::Tensor> grads) {
+    const double k = ctx.saved_data["k"].toDouble();
+    EXPECT_EQ(ctx.saved_data["shape"].toIntVector(), grads[0].sizes().vec());
+    ctx.saved_data["k"] = -1.0;
+    return {grads[0] * k, at::Tensor()};
+  }
+};
+TORCH_OPAQUE_DEF(ConsumesSavedData, "opaque_cpp_test::consumes_saved_data", "x", "k");
+
+// Note [Eager context state]: an eager backward gets the forward's own
+// saved_data, and each run of the node a fresh copy of it.
+TEST(CppApi, EachBackwardRunSeesTheForwardsSavedData) {
+  at::Tensor x = torch::randn({3}, torch::requires_grad());
+  auto op = c10::Dispatcher::singleton()
+                .findSchemaOrThrow("opaque_cpp_test::consumes_saved_data", "")
+                .typed<at::Tensor(const at::Tensor&, double)>();
+  at::Tensor y = op.call(x, 0.1).sum();
+  for (int run = 0; run < 2; ++run) {
+    at::Tensor g = torch::autograd::grad({y}, {x}, {}, /*retain_graph=*/true)[0];
+    EXPECT_TRUE(torch::equal(g, torch::full({3}, 0.1))) << "run " << run << ": " << g;
   }
 }
 

@@ -131,6 +131,7 @@ class Overload:
             ) from e
         ns = getattr(torch.ops, fn.namespace)
         self.op = getattr(getattr(ns, fn.name), self.name)
+        _direct_op_call(self.op, f"{fn.namespace}::{fn.name}", overload)
         self.fwd_op = getattr(getattr(ns, fn.name + "_fwd"), self.name)
         self.bwd_op = getattr(getattr(ns, fn.name + "_bwd"), self.name)
         source = f"torch_opaque wrap of {name}"
@@ -168,6 +169,14 @@ class Overload:
             self.overload,
             self.returns_tuple and self.n_out == 1,
         )
+
+
+def _direct_op_call(op, qualified_name: str, overload: str) -> None:
+    """Replaces torch's ``op._op`` by the C-level OpCall (Note [Direct op call]
+    in csrc/python/op_call.h): ``torch.ops`` calls of this overload skip the
+    generic JIT argument parsing."""
+    if not isinstance(op._op, _C.OpCall):
+        op._op = _C.OpCall(op._op, qualified_name, overload)
 
 
 class OpaqueFunction:

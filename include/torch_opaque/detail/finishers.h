@@ -38,7 +38,8 @@ struct ForwardOutcome {
 void finish_forward(const std::string& op_name, c10::ArrayRef<c10::IValue> inputs,
                     ForwardOutcome outcome, bool recording, torch::jit::Stack* stack);
 
-// The same for a C++ Context (saved_data encoded per Note [saved_data encoding]).
+// The same for a C++ Context (saved_data kept for eager backwards, encoded per
+// Note [saved_data encoding] when the backward is traced).
 // With `list_output`, `outputs` are pushed as one Tensor[] (saved outputs and
 // non-differentiable flags then refer to its elements).
 void finish_forward(const std::string& op_name, Context& ctx,
@@ -59,8 +60,11 @@ struct BackwardArgs {
 BackwardArgs pop_backward_args(torch::jit::Stack* stack);
 
 // Pops the `_bwd` arguments; returns the Context (saved tensors, saved_data,
-// needs_input_grad) and the output gradients.
-std::pair<Context, std::vector<at::Tensor>> start_backward(torch::jit::Stack* stack);
+// needs_input_grad) and the output gradients. saved_data is the forward's own
+// map when the node passed it (Note [Eager context state]), else decoded from
+// `state`.
+std::pair<Context, std::vector<at::Tensor>> start_backward(const c10::FunctionSchema& bwd_schema,
+                                                           torch::jit::Stack* stack);
 
 // Pushes the gradients as the `_bwd` result after checking them against the
 // forward arguments (`tensor_args[i]`: whether argument i is a tensor);

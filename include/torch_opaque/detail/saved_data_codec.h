@@ -20,6 +20,9 @@ std::string encode_saved_data(const std::string& op_name,
                               const std::map<std::string, c10::IValue>& data,
                               std::vector<c10::SymInt>* state_ints);
 bool is_symint_list(const c10::IValue& list);
+// Raises encode_saved_data's error when an entry cannot be encoded.
+void check_saved_data(const std::string& op_name,
+                      const std::map<std::string, c10::IValue>& data);
 std::map<std::string, c10::IValue> decode_saved_data(const std::string& state,
                                                      const std::vector<c10::SymInt>& ints);
 
