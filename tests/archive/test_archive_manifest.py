@@ -67,6 +67,34 @@ def test_save_writes_version_2(tmp_path):
     assert kinds <= set(SAVED_KINDS) and "residual" in kinds
 
 
+class ScaleDefault(torch.autograd.Function):
+    """Hinted defaults a schema prints otherwise than Python does (3.0 -> 3.)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, k: float = 3.0, w: torch.Tensor | None = None) -> torch.Tensor:
+        ctx.k = k
+        return x * k
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * ctx.k, None, None
+
+
+def test_float_defaults_round_trip(tmp_path):
+    torch_opaque.wrap(ScaleDefault)
+
+    class Net(torch.nn.Module):
+        def forward(self, x):
+            return ScaleDefault.apply(x)
+
+    torch_opaque.save(torch.export.export(Net(), (torch.randn(3),)), tmp_path / "d.pt2",
+                      self_contained=True)
+    (ov,) = [op for op in parse_manifest(_manifest_bytes(tmp_path / "d.pt2"), "d").ops][0].overloads
+    assert "k=3." in ov.schema and "k=3.0" in ov.arguments  # the texts differ, the arguments do not
+    loaded = torch_opaque.load(tmp_path / "d.pt2")
+    torch.testing.assert_close(loaded.module()(torch.ones(3)), torch.full((3,), 3.0))
+
+
 @pytest.mark.parametrize(
     "value, decoded",
     [

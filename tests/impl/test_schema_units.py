@@ -82,6 +82,14 @@ def test_specs_from_hints():
     assert specs[4].convert([1, 2]) == (1, 2)
 
 
+def test_pep604_optional_equals_typing_optional():
+    def fwd(ctx, x: torch.Tensor, w: torch.Tensor | None, k: float | None = None, n: None | int = 2):
+        return x
+
+    specs = specs_from_hints(fwd, ["x", "w", "k", "n"], {"k": None, "n": 2}, "F")
+    assert [s.decl for s in specs] == ["Tensor x", "Tensor? w", "float? k=None", "SymInt? n=2"]
+
+
 def test_specs_from_hints_needs_every_argument_annotated():
     def fwd(ctx, x: torch.Tensor, k):
         return x

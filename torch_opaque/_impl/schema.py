@@ -21,6 +21,7 @@ import collections.abc
 import dataclasses
 import inspect
 import math
+import types
 import typing
 from typing import Any, Callable, Optional, Sequence
 
@@ -220,7 +221,8 @@ def _spec_from_hint(fn_name: str, name: str, hint: Any, default: Any) -> ArgSpec
     if hint in _HINT_SCALARS:
         typ, conv = _HINT_SCALARS[hint]
         return ArgSpec(name, typ, typ, conv, default)
-    if origin is typing.Union and len(targs) == 2 and type(None) in targs:
+    if origin in (typing.Union, types.UnionType) and len(targs) == 2 and type(None) in targs:
+        # Optional[X], Union[X, None] and X | None alike
         inner = targs[0] if targs[1] is type(None) else targs[1]
         try:
             base = _spec_from_hint(fn_name, name, inner, default)

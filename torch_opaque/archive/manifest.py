@@ -403,6 +403,19 @@ def _variant(version: int, position: int, n_out: int, n_args: int):
     return check
 
 
+def _same_arguments(written: str, arguments: str) -> bool:
+    """Whether two argument lists declare the same arguments. Compared parsed,
+    not as text: a schema prints the default ``3.0`` as ``3.``."""
+    if written == arguments:
+        return True
+    try:
+        a = torch._C.parse_schema(f"check::a({written}) -> ()")
+        b = torch._C.parse_schema(f"check::a({arguments}) -> ()")
+    except RuntimeError:
+        return False
+    return str(a) == str(b)
+
+
 def _overload(version: int, ns: str, name: str):
     def check(v, f) -> OverloadRecord:
         o = _Obj(v, f)
@@ -417,7 +430,7 @@ def _overload(version: int, ns: str, name: str):
             raise _Invalid(o.field("schema"), f"names {schema.name}.{schema.overload_name or 'default'}, not {want}.{overload}")
         arguments = o.get("arguments", _str(max_len=1 << 16))
         written = schema_str[schema_str.index("(") + 1 : schema_str.rindex(") ->")]
-        if _ALIAS_RE.sub("", written) != arguments:
+        if not _same_arguments(_ALIAS_RE.sub("", written), arguments):
             raise _Invalid(o.field("arguments"), f"{arguments!r} are not the arguments of the schema")
         n_out = o.get("n_out", _int(1, 1 << 12))
         dirty = o.get("dirty", _list(_list(_int(0, 1 << 12), 2), 1 << 12), default=[])
