@@ -265,7 +265,10 @@ def test_crafted_archives_run_nothing(base, tmp_path):
                 failures.append(f"{name}: {what}: message lacks the prefix: {msg}")
     assert not marker.exists()
     assert not failures, "\n".join(failures)
-    assert max(peaks) < 500, peaks  # MiB, every 1 GiB bomb included
+    # MiB, every 1 GiB bomb included: an interpreter with torch and torch_opaque
+    # imported peaks at several hundred MiB (504 was seen once); an inflated bomb
+    # would add 1,024.
+    assert max(peaks) < 700, peaks
 
 
 def test_inspect_command_on_a_bomb(base, tmp_path):
