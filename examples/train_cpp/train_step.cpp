@@ -114,12 +114,10 @@ int main(int argc, char** argv) {
       ok &= loss_ok;
       if (step == 0) {
         for (size_t i = 0; i < names.size(); ++i) {
-          const bool same = out[i + 1].sizes().equals(want_grads[i].sizes()) &&
-              at::allclose(out[i + 1], want_grads[i], rtol, atol);
+          const bool same_size = out[i + 1].sizes().equals(want_grads[i].sizes());
+          const bool same = same_size && at::allclose(out[i + 1], want_grads[i], rtol, atol);
           std::cout << "  grad " << names[i] << out[i + 1].sizes() << ": max abs diff "
-                    << (same || out[i + 1].sizes().equals(want_grads[i].sizes())
-                            ? max_abs_diff(out[i + 1], want_grads[i])
-                            : -1.0)
+                    << (same_size ? max_abs_diff(out[i + 1], want_grads[i]) : -1.0)
                     << (same ? "" : " MISMATCH") << "\n";
           ok &= same;
         }

@@ -78,9 +78,7 @@ def register_kernel_fakes(new_names: Iterable[str]) -> None:
             lib = _libraries[ns] = torch.library.Library(ns, "FRAGMENT")
         for qualified in (base, base + "_fwd", base + "_bwd"):
             for overload in _overloads(qualified):
-                has_meta = torch._C._dispatch_has_kernel_for_dispatch_key(
-                    overload._name, "Meta")
-                if has_meta:
+                if torch._C._dispatch_has_kernel_for_dispatch_key(overload._name, "Meta"):
                     continue  # the op's own `fake` (forward roles only)
                 torch.library.register_fake(overload, _kernel_fake(overload), lib=lib)
-            _registered.add(qualified)
+                _registered.add(qualified)
