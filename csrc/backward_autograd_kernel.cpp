@@ -77,10 +77,9 @@ void BackwardAutogradKernel::operator()(const c10::OperatorHandle& handle,
       TORCH_CHECK_NOT_IMPLEMENTED(
           false, "torch_opaque: ", handle.schema().name(),
           ": the backward calls a stock autograd.Function, which is not supported yet where "
-          "torch.func runs this backward per sample inside a transform level (jacrev(jacrev(f)), "
-          "hessian, and vmap over a grad of a grad). Wrap that Function with torch_opaque.op "
-          "too, or compute the derivative with torch.autograd.grad(create_graph=True). "
-          "The error was: ", what);
+          "torch.func calls this backward op inside the processing of a transform level. "
+          "Wrap that Function with torch_opaque.op too, or compute the derivative with "
+          "torch.autograd.grad(create_graph=True). The error was: ", what);
     }
     return;
   }

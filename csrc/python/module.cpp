@@ -4,6 +4,7 @@
 #include "kernel_below_autograd.h"
 #include "op_call.h"
 #include "python_kernel.h"
+#include "../nested_grad.h"
 
 #include <torch_opaque/fake_checks.h>
 #include <torch_opaque/forward_record.h>
@@ -41,6 +42,15 @@ c10::SymInt dynamic_size_from_python(int64_t min, std::optional<int64_t> max) {
   py::gil_scoped_acquire gil;
   py::object fn = py::module_::import("torch_opaque._impl.bridge").attr("new_dynamic_size");
   return py::cast<c10::SymInt>(fn(min, max));
+}
+
+// Note [Batching rules] (_impl/batching.py): a batching rule runs the user's
+// code as user code of its vmap level, not in functorch's processing state.
+py::object call_as_level_user_code(const py::function& fn) {
+  std::optional<c10::impl::LocalDispatchKeySet> tls = detail::level_user_code_tls();
+  std::optional<c10::impl::ForceDispatchKeyGuard> user_code;
+  if (tls) user_code.emplace(*tls);
+  return fn();
 }
 
 } // namespace
@@ -109,6 +119,9 @@ PYBIND11_MODULE(_C, m) {
         "Hand the next forward kernel of `runner` on this thread the result of a forward "
         "already run (Note [First call runs forward once]); None clears it.");
   torch_opaque::detail::set_dynamic_size_hook(&dynamic_size_from_python);
+  m.def("call_as_level_user_code", &call_as_level_user_code, py::arg("fn"),
+        "fn() with the dispatch key state of user code of the torch.func level being "
+        "processed (Note [Nested grad] in csrc/nested_grad.cpp), or as it is outside one.");
   m.def("set_debug", &set_debug, py::arg("on"));
   m.def("debug_enabled", &debug_enabled);
   m.def("set_forward_record", &set_forward_record_py, py::arg("saved"),

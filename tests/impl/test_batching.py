@@ -20,20 +20,13 @@ def test_jacrev_matches_stock(name):
         compare(lambda: jacrev(g_ref, argnums)(*ts), lambda: jacrev(g, argnums)(*ts))
 
 
-# A forward that returns a view of its input, run per sample under vmap(grad):
-# indexing fails inside the batching kernel (torch's dispatch state there).
-VIEW_UNDER_VMAP_GRAD = {"SelectGenVmapAutogradFunction"}
-
-
 def summed(g):
     return lambda *t: sum(o.sum() for o in g(*t))
 
 
-@pytest.mark.parametrize("name", [
-    pytest.param(n, marks=pytest.mark.xfail(strict=True, raises=RuntimeError,
-                                            reason="view output under vmap(grad)"))
-    if n in VIEW_UNDER_VMAP_GRAD else n for n in NAMES])
+@pytest.mark.parametrize("name", NAMES)
 def test_vmap_of_grad_matches_stock(name):
+    """SelectGenVmap's forward returns a view of its input (was a RuntimeError)."""
     for g_ref, g, ts in each_case(name):
         batch, in_dims = vmap_batch(ts)
         compare(lambda: vmap(grad(summed(g_ref)), in_dims)(batch, *ts[1:]),
@@ -184,3 +177,62 @@ def test_per_sample_state_that_differs_is_refused_clearly():
     with pytest.raises(UnsupportedError, match="torch_opaque: .* under vmap: its forward, run "
                        "once per sample .* left different ctx state"):
         vmap(grad(lambda t: op.apply(t).sum()))(torch.randn(3, 2))
+
+
+class DiagAffine(torch.autograd.Function):
+    """generate_vmap_rule, written with views and broadcasting (transpose,
+    diagonal, indexing, expand, diag_embed) of a batched and an unbatched
+    argument: torch's own batching rules run on them."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(x, b):
+        calls["forward"] += 1
+        return (x.t() * b).diagonal() + b[None, :].expand(2, -1).sum(0)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(*inputs)
+
+    @staticmethod
+    def backward(ctx, g):
+        x, b = ctx.saved_tensors
+        return torch.diag_embed(g * b), g * x.diagonal() + 2 * g
+
+
+DiagAffineOp = torch_opaque.wrap(type("DiagAffineOp", (DiagAffine,), {}))
+
+GENERATED_TRANSFORMS = {
+    "vmap x": lambda f, x, b: vmap(f, (0, None))(x, b),
+    "vmap both": lambda f, x, b: vmap(f)(x, b.expand(x.shape[0], 3) * 1.5),
+    "vmap(grad)": lambda f, x, b: vmap(grad(lambda u, v: f(u, v).sum(), (0, 1)), (0, None))(x, b),
+    "jacrev": lambda f, x, b: jacrev(f, (0, 1))(x[0], b),
+    "vmap(jacrev)": lambda f, x, b: vmap(jacrev(f, (0, 1)), (0, None))(x, b),
+    "vmap(vmap)": lambda f, x, b: vmap(vmap(f, (0, None)), (0, None))(x.reshape(2, 2, 3, 3), b),
+}
+
+
+@pytest.mark.parametrize("transform", sorted(GENERATED_TRANSFORMS))
+def test_generated_rule_runs_user_code_on_the_batch_as_stock(transform):
+    """generate_vmap_rule = True: the user's code runs on batched tensors (as
+    many calls as stock: once per vmap level, not once per sample), with
+    stock's values."""
+    torch.manual_seed(0)
+    x, b = torch.randn(4, 3, 3), torch.randn(3)
+    t = GENERATED_TRANSFORMS[transform]
+    DiagAffineOp.apply(x[0], b)  # defines the op (its first call runs the forward)
+    calls.update(forward=0)
+    expected = t(DiagAffine.apply, x, b)
+    stock_calls = calls["forward"]
+    calls.update(forward=0)
+    torch.testing.assert_close(t(DiagAffineOp.apply, x, b), expected)
+    assert calls["forward"] == stock_calls
+
+
+def test_generated_rule_forward_runs_once_under_vmap():
+    x = torch.randn(5, 3)
+    Wrapped[GenCube].apply(x)  # defines the op
+    calls.update(forward=0)
+    torch.testing.assert_close(vmap(Wrapped[GenCube].apply)(x), x ** 3)
+    assert calls["forward"] == 1

@@ -123,3 +123,48 @@ def test_exported_jvp_keeps_one_op_node():
     name = torch_opaque.lookup(CubeOp).name
     assert [str(t) for t in targets if "opaque" in str(t)] == [f"opaque.{name}.Tensor_float"]
     torch.testing.assert_close(ep.module()(x, t), M()(x, t))
+
+
+def _partial_mul(materialize):
+    seen = []
+
+    class PartialMul(torch.autograd.Function):
+        @staticmethod
+        def forward(x, y):
+            return x * y
+
+        @staticmethod
+        def setup_context(ctx, inputs, output):
+            ctx.save_for_forward(*inputs)
+            ctx.set_materialize_grads(materialize)
+
+        @staticmethod
+        def backward(ctx, g):
+            raise AssertionError("not used")
+
+        @staticmethod
+        def jvp(ctx, tx, ty):
+            seen.append(ty if ty is None else ty.clone())
+            x, y = ctx.saved_tensors
+            return tx * y if ty is None else tx * y + ty * x
+
+    return PartialMul, seen
+
+
+@pytest.mark.parametrize("materialize", [True, False])
+def test_input_without_tangent_reaches_jvp_as_stock(materialize):
+    """An input without a tangent reaches jvp as zeros (None when
+    ctx.set_materialize_grads(False)), as in stock."""
+    x, y = torch.randn(3), torch.randn(3)
+    results = []
+    for wrap in (False, True):
+        cls, seen = _partial_mul(materialize)
+        f = torch_opaque.op(cls).apply if wrap else cls.apply
+        out = jvp(lambda a: f(a, y), (x,), (torch.ones(3),))[1]
+        results.append((out, seen))
+    (ref, ref_seen), (ours, our_seen) = results
+    torch.testing.assert_close(ours, ref)
+    assert [t is None for t in our_seen] == [t is None for t in ref_seen] == [not materialize]
+    for a, b in zip(our_seen, ref_seen):
+        if a is not None:
+            torch.testing.assert_close(a, b)

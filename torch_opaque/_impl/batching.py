@@ -11,16 +11,21 @@ Each overload registers a FuncTorchBatched kernel for ``Name``, ``Name_fwd``,
   (through torch's own helper for vmap staticmethods) and, for a Function with
   ``setup_context``, ``Name_fwd`` (its ctx is then set up from the batched
   inputs and outputs, as stock autograd.Function does under torch.func);
+* ``generate_vmap_rule = True``: the user's forward (``Name``, ``Name_fwd``),
+  backward (``Name_bwd``) and jvp (``Name_jvp``) run once, on the batched
+  tensors of a fresh vmap level, as stock's generated rule runs them
+  (torch/_functorch/autograd_function.py, vmapify_autograd_function): the
+  kernel steps down from its level (``interpreter.lower()``) and runs the code
+  as user code (``_C.call_as_level_user_code``: inside the op's batching
+  kernel functorch's processing state is set, under which functorch's own view
+  and broadcasting batching rules fail); the saved tensors keep their batch
+  dimensions (they are rewrapped at the kernel's level);
 * everything else runs once per sample, below the batching key, and is
-  stacked: ``Name_bwd``, ``Name_jvp``, and the forwards of Functions without a
-  ``vmap`` staticmethod (``generate_vmap_rule = True`` or not). A forward run
-  per sample must leave the same non-tensor ctx state for every sample (it
+  stacked: ``Name_bwd`` and ``Name_jvp`` of Functions with a ``vmap``
+  staticmethod, and everything of Functions with neither ``vmap`` nor
+  ``generate_vmap_rule`` (stock refuses those under vmap). A forward run per
+  sample must leave the same non-tensor ctx state for every sample (it
   becomes one backward).
-
-Running the user's code on the batched tensors inside the kernel (what
-``generate_vmap_rule`` does for stock Functions) is not done: inside an op's
-batching kernel, torch's dispatch state makes view and broadcasting batching
-rules fail, so per-sample is the correct choice until that is solved.
 
 ``is_grads_batched`` and ``jacobian(vectorize=True)`` use torch's older vmap
 (the ``Batched`` key): there ``Name_bwd`` (and ``Name_jvp``) run the user's
@@ -34,6 +39,7 @@ import torch.utils._pytree as pytree
 from torch._C._functorch import _add_batch_dim, _unwrap_batched
 from torch._functorch.autograd_function import custom_function_call_vmap_helper
 from torch._functorch.pyfunctorch import retrieve_current_functorch_interpreter
+from torch._functorch.vmap import restore_vmap, wrap_batched
 
 from .. import _C
 from ..errors import UnsupportedError
@@ -66,17 +72,52 @@ def _stack(results, level):
     return _batched(pytree.tree_unflatten(stacked, flats[0][1]), level)
 
 
-def per_sample(call, args):
+def per_sample(call, args, as_user_code=False):
     """``call(*args)`` for each sample of the current vmap level, stacked; the
-    calls run below the batching key (their tensors are unwrapped)."""
+    calls run below the batching key (their tensors are unwrapped), or, with
+    `as_user_code`, as user code of the level below (Note [Batching rules])."""
     interp = retrieve_current_functorch_interpreter()
     level = interp.level()
     flat, dims, spec = _unwrap(args, level)
-    with _below():
-        if all(d is None for d in dims):
+    if all(d is None for d in dims):
+        with _below():
             return call(*pytree.tree_unflatten(flat, spec))
-        results = [call(*_sample(flat, dims, spec, b)) for b in range(interp.batch_size())]
+
+    def each():
+        return [call(*_sample(flat, dims, spec, b)) for b in range(interp.batch_size())]
+
+    if as_user_code:
+        def lowered():
+            with interp.lower():
+                return each()
+
+        results = _C.call_as_level_user_code(lowered)
+    else:
+        with _below():
+            results = each()
     return _stack(results, level)
+
+
+def generated(call, args):
+    """``call(*args)`` run once on the batched tensors of a fresh vmap level, as
+    user code (Note [Batching rules]); its results batched at the current level
+    (tensors without a batch dimension there are returned as they are)."""
+    interp = retrieve_current_functorch_interpreter()
+    level = interp.level()
+    flat, dims, spec = _unwrap(args, level)
+    if all(d is None for d in dims):
+        with _below():
+            return call(*pytree.tree_unflatten(flat, spec))
+
+    def body():
+        with interp.lower():
+            return restore_vmap(
+                lambda *leaves: call(*pytree.tree_unflatten(list(leaves), spec)),
+                tuple(dims), interp.batch_size(), interp.randomness(),
+            )(*flat)
+
+    out, out_dims = _C.call_as_level_user_code(body)
+    return wrap_batched(out, out_dims, level)
 
 
 def _below():
@@ -92,6 +133,8 @@ class Rules:
         self.ov = overload
         # No reference to the class (Note [Registry lifetime] in function.py).
         self.user_vmap = cls.vmap is not torch.autograd.Function.vmap
+        # Stock refuses a Function with both (custom_function_call_vmap).
+        self.generated = bool(getattr(cls, "generate_vmap_rule", False)) and not self.user_vmap
         self.setup_style = overload.fn.setup_style
 
     def register(self, lib, base: str):
@@ -125,6 +168,8 @@ class Rules:
             # its autograd.Function case: the user's code runs one level down).
             out = custom_function_call_vmap_helper(interp, rule, ov.fn.cls, *args)
             return out[0] if isinstance(out, tuple) and len(out) == 1 else out
+        if self.generated:
+            return self._single(generated(lambda *a: ov.runner.run(None, a)[0], args))
         return per_sample(ov.op, args)
 
     # ---- Name_fwd (a training forward: outputs, residuals, record) --------------
@@ -144,6 +189,8 @@ class Rules:
         if self.user_vmap and self.setup_style:
             outs = self.op(*args)  # the vmap staticmethod
             outs, residuals, record = runner.run(needs, args, lambda *a: outs)
+        elif self.generated:
+            outs, residuals, record = generated(lambda *a: runner.run(needs, a), args)
         else:
             outs, residuals, record = self._fwd_per_sample(needs, args)
         if record is not None:
@@ -176,9 +223,13 @@ class Rules:
 
     def bwd(self, saved, grads, needs, state, state_ints):
         ov = self.ov
-        return per_sample(
-            lambda s, g: ov.bwd_op(s, g, needs, state, state_ints), (saved, grads)
-        )
+
+        def backward(s, g):
+            return list(ov.bwd_runner(s, g, needs, state, state_ints)[0])
+
+        if self.generated or self.user_vmap:
+            return generated(backward, (saved, grads))
+        return per_sample(backward, (saved, grads), as_user_code=True)
 
     def bwd_legacy(self, saved, grads, needs, state, state_ints):
         return list(self.ov.bwd_runner(saved, grads, needs, state, state_ints)[0])
@@ -186,4 +237,6 @@ class Rules:
     # ---- Name_jvp (Note [Forward-mode AD] in forward_ad.py) ----------------------
 
     def jvp(self, *args):
+        if self.generated:
+            return generated(self.ov.jvp_kernel, args)
         return per_sample(self.ov.jvp_op, args)

@@ -80,6 +80,11 @@ def _kernel(runner, jvp):
         ctx = JvpContext((False,) * len(args))
         with torch.no_grad():
             outs = runner.outputs(runner.call_user(ctx, args))
+            if ctx.materialize_grads:  # stock passes zeros for inputs without a tangent
+                tangents = [
+                    torch.zeros_like(a) if t is None and _differentiable(a) else t
+                    for t, a in zip(tangents, args)
+                ]
             res = jvp(ctx, *tangents)
         if not isinstance(res, tuple):
             res = (res,)
@@ -95,6 +100,10 @@ def _kernel(runner, jvp):
         return (*(o.clone() if _aliases(o, args) else o for o in outs), tangents_out)
 
     return kernel
+
+
+def _differentiable(a) -> bool:
+    return isinstance(a, torch.Tensor) and (a.is_floating_point() or a.is_complex())
 
 
 def _aliases(t, args) -> bool:
