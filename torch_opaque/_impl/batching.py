@@ -14,18 +14,29 @@ Each overload registers a FuncTorchBatched kernel for ``Name``, ``Name_fwd``,
 * ``generate_vmap_rule = True``: the user's forward (``Name``, ``Name_fwd``),
   backward (``Name_bwd``) and jvp (``Name_jvp``) run once, on the batched
   tensors of a fresh vmap level, as stock's generated rule runs them
-  (torch/_functorch/autograd_function.py, vmapify_autograd_function): the
-  kernel steps down from its level (``interpreter.lower()``) and runs the code
-  as user code (``_C.call_as_level_user_code``: inside the op's batching
-  kernel functorch's processing state is set, under which functorch's own view
-  and broadcasting batching rules fail); the saved tensors keep their batch
-  dimensions (they are rewrapped at the kernel's level);
-* everything else runs once per sample, below the batching key, and is
-  stacked: ``Name_bwd`` and ``Name_jvp`` of Functions with a ``vmap``
-  staticmethod, and everything of Functions with neither ``vmap`` nor
-  ``generate_vmap_rule`` (stock refuses those under vmap). A forward run per
-  sample must leave the same non-tensor ctx state for every sample (it
-  becomes one backward).
+  (torch/_functorch/autograd_function.py, vmapify_autograd_function). Why
+  not on the kernel's own level: to call the op's batching kernel, functorch's
+  front fallback saves the thread's dispatch key state on the level and
+  replaces it with the level's processing state (its entry key excluded).
+  Code run there bypasses functorch's entry (torch's view and broadcasting
+  batching rules then fail, and a stock Function's custom_function_call finds
+  no rule), and it cannot re-enter the level being processed either (one
+  saved state per level: functorch's INTERNAL ASSERT). So the kernel steps
+  down (``interpreter.lower()``), restores user code's key state
+  (``_C.call_as_level_user_code``, csrc/nested_grad.cpp) and opens a fresh
+  vmap level of the same size and randomness (torch's ``restore_vmap``); the
+  saved tensors keep their batch dimensions (rewrapped at the kernel's level). The backward of a
+  Function with a ``vmap`` staticmethod runs the same way (stock runs it on
+  the batched tensors too). In-place Functions (``ctx.mark_dirty``) stay per
+  sample (stock's generated rule refuses them);
+* everything else runs once per sample and is stacked: ``Name_jvp`` of
+  Functions with a ``vmap`` staticmethod, and everything of Functions with
+  neither ``vmap`` nor ``generate_vmap_rule`` (stock refuses those under
+  vmap). Forwards and jvps run below the batching key; a backward runs as
+  user code of the level below (so a stock Function it calls, or its
+  operations under an enclosing grad level, see that level as in the user's
+  code). A forward run per sample must leave the same non-tensor ctx state
+  for every sample (it becomes one backward).
 
 ``is_grads_batched`` and ``jacobian(vectorize=True)`` use torch's older vmap
 (the ``Batched`` key): there ``Name_bwd`` (and ``Name_jvp``) run the user's
@@ -133,8 +144,13 @@ class Rules:
         self.ov = overload
         # No reference to the class (Note [Registry lifetime] in function.py).
         self.user_vmap = cls.vmap is not torch.autograd.Function.vmap
-        # Stock refuses a Function with both (custom_function_call_vmap).
-        self.generated = bool(getattr(cls, "generate_vmap_rule", False)) and not self.user_vmap
+        # Stock refuses a Function with both (custom_function_call_vmap); in-place
+        # Functions (mark_dirty, refused by stock's generated rule) stay per sample.
+        self.generated = (
+            bool(getattr(cls, "generate_vmap_rule", False))
+            and not self.user_vmap
+            and not overload.dirty
+        )
         self.setup_style = overload.fn.setup_style
 
     def register(self, lib, base: str):
