@@ -18,10 +18,12 @@ Each overload registers a FuncTorchBatched kernel for ``Name``, ``Name_fwd``,
   not on the kernel's own level: to call the op's batching kernel, functorch's
   front fallback saves the thread's dispatch key state on the level and
   replaces it with the level's processing state (its entry key excluded).
-  Code run there bypasses functorch's entry (torch's view and broadcasting
-  batching rules then fail, and a stock Function's custom_function_call finds
-  no rule), and it cannot re-enter the level being processed either (one
-  saved state per level: functorch's INTERNAL ASSERT). So the kernel steps
+  Code run there bypasses functorch's entry (view operations on the batched
+  tensors then fail: "Attempted to make a tensor into a differentiable view",
+  and a stock Function's custom_function_call finds no rule), and with user
+  code's key state it would re-enter the level being processed, which
+  functorch forbids (one saved state per level: its INTERNAL ASSERT
+  "!savedLocalDispatchKeySet_.has_value()"). So the kernel steps
   down (``interpreter.lower()``), restores user code's key state
   (``_C.call_as_level_user_code``, csrc/nested_grad.cpp) and opens a fresh
   vmap level of the same size and randomness (torch's ``restore_vmap``); the
