@@ -233,3 +233,33 @@ def test_stock_function_in_backward_per_sample_in_a_level_matches_stock(name):
     expected = second(g_ref)
     assert expected.abs().sum() > 0
     torch.testing.assert_close(second(g), expected)
+
+
+class ExpViaStockMul(torch.autograd.Function):
+    """Neither vmap nor generate_vmap_rule (its op runs per sample under vmap);
+    its backward calls a stock Function (the corpus's MulGenVmap)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        y = x.exp()
+        ctx.save_for_backward(y)
+        return y
+
+    @staticmethod
+    def backward(ctx, g):
+        from torch.testing._internal.autograd_function_db import MulGenVmap
+
+        (y,) = ctx.saved_tensors
+        return _ORIGINAL_APPLY(MulGenVmap, g, y)
+
+
+def test_per_sample_backward_calling_a_stock_function_in_a_level():
+    """The per-sample backward runs as user code of the level below (Note
+    [Batching rules]): the stock Function it calls works there, and its
+    operations record at the enclosing grad level (second derivatives of exp)."""
+    ours = torch_opaque.op(type("ExpViaStockMulOp", (ExpViaStockMul,), {})).apply
+    x = dbl(4)
+    torch.testing.assert_close(jacrev(jacrev(lambda a: ours(a).sum()))(x), torch.diag(x.exp()))
+    torch.testing.assert_close(jacrev(jacrev(lambda a: ours(a).pow(2).sum()))(x),
+                               torch.diag(4 * (2 * x).exp()))
+    torch.testing.assert_close(vmap(grad(grad(lambda a: ours(a).pow(2))))(x), 4 * (2 * x).exp())
