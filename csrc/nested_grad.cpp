@@ -24,8 +24,8 @@ thread_local NestedForwardScope* tls_scope = nullptr;
 // backward runs as user code of its level does (a stock Function or transform
 // it calls sees that level, and its operations record at the level and all
 // levels below). The batching rules of `_bwd` run the backward as user code
-// too, of the level below theirs (level_user_code_tls gives the dispatch key
-// state such code has: Note [Batching rules] in _impl/batching.py), so a stock
+// too, of the level below theirs (with the dispatch key state functorch saved on
+// the level: Note [Batching rules] in _impl/batching.py), so a stock
 // autograd.Function it calls (torch.func's custom_function_call, which needs
 // functorch's entry key) sees the levels as it would in the user's code. A
 // call that still reaches `_bwd`'s Autograd kernel inside a level's
@@ -58,28 +58,6 @@ c10::DispatchKeySet kernel_keys(c10::DispatchKeySet keys) {
                                                              c10::DispatchKey::Functionalize});
   return kept | c10::DispatchKeySet(c10::DispatchKey::Dense) |
       c10::DispatchKeySet(keys.highestBackendKey());
-}
-
-std::optional<c10::impl::LocalDispatchKeySet> level_user_code_tls() {
-  using K = c10::DispatchKey;
-  c10::impl::LocalDispatchKeySet tls = c10::impl::tls_local_dispatch_key_set();
-  if (!tls.excluded_.has(K::FuncTorchDynamicLayerFrontMode) ||
-      !tls.included_.has(K::FuncTorchDynamicLayerBackMode)) {
-    return std::nullopt;
-  }
-  // While it processes a level, functorch excludes its entry key and the keys
-  // between its entry and exit keys (autocast aside) that the level does not
-  // handle, and a vmap level includes its randomness key. User code runs
-  // with none of that (functorch's header that holds the saved state cannot
-  // be included here: it needs nlohmann/json, which torch does not ship).
-  const c10::DispatchKeySet level_keys =
-      (c10::DispatchKeySet(c10::DispatchKeySet::FULL_AFTER, K::FuncTorchDynamicLayerFrontMode) -
-       c10::DispatchKeySet(c10::DispatchKeySet::FULL_AFTER, K::FuncTorchDynamicLayerBackMode) -
-       c10::DispatchKeySet(K::FuncTorchDynamicLayerBackMode) - c10::autocast_dispatch_keyset) |
-      c10::DispatchKeySet(K::FuncTorchDynamicLayerFrontMode);
-  tls.excluded_ = tls.excluded_ - level_keys;
-  tls.included_ = tls.included_ - c10::DispatchKeySet(K::FuncTorchVmapMode);
-  return tls;
 }
 
 NestedForwardScope::NestedForwardScope(const OpaqueOp* op)

@@ -7,7 +7,6 @@
 #include <ATen/core/List.h>
 #include <ATen/core/Tensor.h>
 #include <c10/core/DispatchKeySet.h>
-#include <c10/core/impl/LocalDispatchKeySet.h>
 
 #include <optional>
 
@@ -30,12 +29,6 @@ std::optional<c10::DispatchKeySet> backward_as_user_code(
 // The dispatch keys that take a call of `_bwd` with dispatch keys `keys`
 // straight to its kernel (behind the Python and functionalization keys).
 c10::DispatchKeySet kernel_keys(c10::DispatchKeySet keys);
-
-// Inside the processing of a torch.func level (a kernel functorch reached
-// through that level, its entry key off): the thread-local dispatch key state
-// the level's user code runs with (the state before functorch entered the
-// level). nullopt outside any level's processing.
-std::optional<c10::impl::LocalDispatchKeySet> level_user_code_tls();
 
 // Opened by the Autograd kernel of `Name` (or `Name_fwd`) of a level around
 // its `_fwd` call: the `_fwd` Autograd kernel of the next level down, which

@@ -4,8 +4,8 @@
 #include "kernel_below_autograd.h"
 #include "op_call.h"
 #include "python_kernel.h"
-#include "../nested_grad.h"
 
+#include <c10/core/impl/LocalDispatchKeySet.h>
 #include <torch_opaque/fake_checks.h>
 #include <torch_opaque/forward_record.h>
 #include <torch_opaque/opaque_op.h>
@@ -45,11 +45,15 @@ c10::SymInt dynamic_size_from_python(int64_t min, std::optional<int64_t> max) {
 }
 
 // Note [Batching rules] (_impl/batching.py): a batching rule runs the user's
-// code as user code of its vmap level, not in functorch's processing state.
-py::object call_as_level_user_code(const py::function& fn) {
-  std::optional<c10::impl::LocalDispatchKeySet> tls = detail::level_user_code_tls();
-  std::optional<c10::impl::ForceDispatchKeyGuard> user_code;
-  if (tls) user_code.emplace(*tls);
+// code as user code of its vmap level, with the thread-local dispatch key
+// state functorch saved on the level when it entered it (read by the caller
+// from the level's interpreter), not in functorch's processing state.
+py::object call_with_dispatch_keys(const py::function& fn, uint64_t included,
+                                   uint64_t excluded) {
+  c10::impl::PODLocalDispatchKeySet pod;
+  pod.set_included(c10::DispatchKeySet::from_raw_repr(included));
+  pod.set_excluded(c10::DispatchKeySet::from_raw_repr(excluded));
+  c10::impl::ForceDispatchKeyGuard keys{c10::impl::LocalDispatchKeySet(pod)};
   return fn();
 }
 
@@ -119,9 +123,10 @@ PYBIND11_MODULE(_C, m) {
         "Hand the next forward kernel of `runner` on this thread the result of a forward "
         "already run (Note [First call runs forward once]); None clears it.");
   torch_opaque::detail::set_dynamic_size_hook(&dynamic_size_from_python);
-  m.def("call_as_level_user_code", &call_as_level_user_code, py::arg("fn"),
-        "fn() with the dispatch key state of user code of the torch.func level being "
-        "processed (Note [Nested grad] in csrc/nested_grad.cpp), or as it is outside one.");
+  m.def("call_with_dispatch_keys", &call_with_dispatch_keys, py::arg("fn"),
+        py::arg("included"), py::arg("excluded"),
+        "fn() with the thread-local dispatch key sets given as raw representations "
+        "(Note [Batching rules] in _impl/batching.py).");
   m.def("set_debug", &set_debug, py::arg("on"));
   m.def("debug_enabled", &debug_enabled);
   m.def("set_forward_record", &set_forward_record_py, py::arg("saved"),

@@ -24,8 +24,8 @@ Each overload registers a FuncTorchBatched kernel for ``Name``, ``Name_fwd``,
   code's key state it would re-enter the level being processed, which
   functorch forbids (one saved state per level: its INTERNAL ASSERT
   "!savedLocalDispatchKeySet_.has_value()"). So the kernel steps
-  down (``interpreter.lower()``), restores user code's key state
-  (``_C.call_as_level_user_code``, csrc/nested_grad.cpp) and opens a fresh
+  down (``interpreter.lower()``), restores user code's key state (the
+  one functorch saved on the level: ``_as_user_code``) and opens a fresh
   vmap level of the same size and randomness (torch's ``restore_vmap``); the
   saved tensors keep their batch dimensions (rewrapped at the kernel's level). The backward of a
   Function with a ``vmap`` staticmethod runs the same way (stock runs it on
@@ -46,6 +46,8 @@ code on the batched tensors, as stock autograd.Function does.
 """
 
 from __future__ import annotations
+
+import json
 
 import torch
 import torch.utils._pytree as pytree
@@ -104,7 +106,7 @@ def per_sample(call, args, as_user_code=False):
             with interp.lower():
                 return each()
 
-        results = _C.call_as_level_user_code(lowered)
+        results = _as_user_code(lowered)
     else:
         with _below():
             results = each()
@@ -129,8 +131,20 @@ def generated(call, args):
                 tuple(dims), interp.batch_size(), interp.randomness(),
             )(*flat)
 
-    out, out_dims = _C.call_as_level_user_code(body)
+    out, out_dims = _as_user_code(body)
     return wrap_batched(out, out_dims, level)
+
+
+def _as_user_code(fn):
+    """``fn()`` with the thread-local dispatch key state functorch saved on the
+    level being processed when it entered it: the state of the level's user
+    code (Note [Batching rules]). Read from the level's interpreter, whose
+    serialized form is the only public view of it."""
+    saved = json.loads(torch._C._functorch.peek_interpreter_stack().serialize())
+    keys = saved.get("savedLocalDispatchKeySet")
+    if not keys:
+        return fn()
+    return _C.call_with_dispatch_keys(fn, keys["included"], keys["excluded"])
 
 
 def _below():
