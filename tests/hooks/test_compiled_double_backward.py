@@ -1,0 +1,328 @@
+"""Double backward through torch.compile'd code calling wrapped Functions
+(Note [Double backward in compiled graphs]), against the same Functions
+unwrapped in eager mode; aot_eager and Inductor."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
+
+import torch_opaque
+from opaque_fixtures.archops import Cube, MulAdd, ScaledSin
+from support.processes import run_python
+from torch_opaque._impl.function import _ORIGINAL_APPLY
+
+BACKENDS = ["aot_eager", "inductor"]
+NO_DOUBLE = "torch.compile with aot_autograd does not currently support double backward"
+
+
+def original(cls, *args):
+    return _ORIGINAL_APPLY(cls, *args)
+
+
+@torch_opaque.op(name="DblTanh")
+class Tanh(torch.autograd.Function):
+    """Saves its output: the second derivative goes through the op's own node."""
+
+    forwards = 0
+
+    @staticmethod
+    def forward(ctx, x):
+        Tanh.forwards += 1
+        y = torch.tanh(x)
+        ctx.save_for_backward(y)
+        return y
+
+    @staticmethod
+    def backward(ctx, g):
+        (y,) = ctx.saved_tensors
+        return g * (1 - y * y)
+
+
+@torch_opaque.op(name="DblOnceSquare")
+class OnceSquare(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x * x
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        return 2 * x * g
+
+
+class StockTanh(torch.autograd.Function):
+    """Never wrapped: Dynamo inlines it, torch's own compiled backward runs."""
+
+    @staticmethod
+    def forward(ctx, x):
+        y = torch.tanh(x)
+        ctx.save_for_backward(y)
+        return y
+
+    @staticmethod
+    def backward(ctx, g):
+        (y,) = ctx.saved_tensors
+        return g * (1 - y * y)
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def dbl(*shape):
+    return torch.randn(*shape, dtype=torch.double, requires_grad=True)
+
+
+def mixed(apply_tanh, apply_sin, apply_cube):
+    """ATen ops around three Functions: saved outputs, ctx attributes, a custom backward."""
+
+    def f(x, w):
+        h = apply_tanh(x * w) + x.exp() * 0.1
+        return apply_sin(h, 1.5).sum() + apply_cube(h).pow(2).sum() + (h * w).sum()
+
+    return f
+
+
+OURS = mixed(Tanh.apply, ScaledSin.apply, Cube.apply)
+STOCK = mixed(
+    lambda t: original(Tanh, t),
+    lambda t, s: original(ScaledSin, t, s),
+    lambda t: original(Cube, t),
+)
+
+
+def second_order(fn, x, w, v):
+    gx, gw = torch.autograd.grad(fn(x, w), (x, w), create_graph=True)
+    return (gx, gw) + torch.autograd.grad((gx * v).sum() + gw.pow(2).sum(), (x, w))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_second_derivatives_equal_stock_eager(backend):
+    x, w, v = dbl(5), dbl(5), torch.randn(5, dtype=torch.double)
+    ours = second_order(torch.compile(OURS, backend=backend, fullgraph=True), x, w, v)
+    ref = second_order(STOCK, x, w, v)
+    for a, b in zip(ours, ref):
+        torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_gradgradcheck(backend):
+    # Functions whose backwards are exact derivatives (Cube's is not, by design)
+    def exact(x, w):
+        h = Tanh.apply(x * w) + x.exp() * 0.1
+        return ScaledSin.apply(h, 1.5) * w
+
+    f = torch.compile(exact, backend=backend, fullgraph=True)
+    assert torch.autograd.gradgradcheck(f, (dbl(4), dbl(4)))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_hessian_equals_stock(backend):
+    x, w = torch.randn(4, dtype=torch.double), torch.randn(4, dtype=torch.double)
+    f = torch.compile(OURS, backend=backend, fullgraph=True)
+    torch.testing.assert_close(
+        torch.autograd.functional.hessian(f, (x, w)),
+        torch.autograd.functional.hessian(STOCK, (x, w)),
+    )
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_hessian_vector_product_with_differentiable_vector(backend):
+    # The incoming gradient requires grad: the replay's gradients are
+    # differentiable with respect to it too.
+    x, w = dbl(5), dbl(5)
+
+    def hvp_then_grad_v(fn):
+        v = torch.randn(5, dtype=torch.double, generator=torch.Generator().manual_seed(1))
+        v.requires_grad_(True)
+        y = fn(x, w)
+        (gx,) = torch.autograd.grad(y, x, create_graph=True)
+        (hv,) = torch.autograd.grad(gx, x, v, create_graph=True)
+        return (hv,) + torch.autograd.grad(hv.pow(2).sum(), (x, w, v))
+
+    f = torch.compile(OURS, backend=backend, fullgraph=True)
+    for a, b in zip(hvp_then_grad_v(f), hvp_then_grad_v(STOCK)):
+        torch.testing.assert_close(a, b)
+
+
+class PenaltyModel(torch.nn.Module):
+    def __init__(self, tanh):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = torch.nn.Linear(4, 4).double()
+        self.out = torch.nn.Linear(4, 1).double()
+        self.tanh = tanh
+
+    def forward(self, x):
+        return self.out(self.tanh(self.lin(x)))
+
+
+def penalty_grads(model, x):
+    y = model(x)
+    (gx,) = torch.autograd.grad(y.sum(), x, create_graph=True)
+    loss = y.pow(2).mean() + (gx.norm(dim=1) - 1).pow(2).mean()
+    loss.backward()
+    return [p.grad for p in model.parameters()] + [x.grad]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_gradient_penalty_of_a_compiled_module_equals_stock(backend):
+    x = torch.randn(6, 4, dtype=torch.double)
+    ours = penalty_grads(
+        torch.compile(PenaltyModel(Tanh.apply), backend=backend), x.clone().requires_grad_()
+    )
+    ref = penalty_grads(PenaltyModel(lambda t: original(Tanh, t)), x.clone().requires_grad_())
+    for a, b in zip(ours, ref):
+        torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_two_outputs_and_a_residual(backend):
+    a, b = dbl(2, 3), dbl(2, 3)
+
+    def second(fn):
+        s, t = fn(a, b)
+        ga, gb = torch.autograd.grad((s * t).sum(), (a, b), create_graph=True)
+        return torch.autograd.grad((ga * ga).sum() + gb.sum(), (a, b))
+
+    compiled = torch.compile(lambda p, q: MulAdd.apply(p.sin(), q), backend=backend, fullgraph=True)
+    stock = lambda p, q: original(MulAdd, p.sin(), q)  # noqa: E731
+    for ours, ref in zip(second(compiled), second(stock)):
+        torch.testing.assert_close(ours, ref)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_across_a_graph_break(backend):
+    def f(x):
+        h = Tanh.apply(x * 2)
+        torch._dynamo.graph_break()
+        return Cube.apply(h + 1).sum()
+
+    def r(x):
+        return original(Cube, original(Tanh, x * 2) + 1).sum()
+
+    x, v = dbl(4), torch.randn(4, dtype=torch.double)
+    ours = torch.autograd.grad(torch.compile(f, backend=backend)(x), x, create_graph=True)[0]
+    ref = torch.autograd.grad(r(x), x, create_graph=True)[0]
+    torch.testing.assert_close(ours, ref)
+    torch.testing.assert_close(
+        torch.autograd.grad(ours, x, v)[0], torch.autograd.grad(ref, x, v)[0]
+    )
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_dynamic_shapes(backend):
+    f = torch.compile(OURS, backend=backend, dynamic=True, fullgraph=True)
+    for n in (3, 5):
+        x, w, v = dbl(n), dbl(n), torch.randn(n, dtype=torch.double)
+        for a, b in zip(second_order(f, x, w, v), second_order(STOCK, x, w, v)):
+            torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_first_order_backward_runs_the_compiled_backward_only(backend):
+    f = torch.compile(lambda x: Tanh.apply(x).sum(), backend=backend, fullgraph=True)
+    x = dbl(3)
+    f(x)  # compile
+    Tanh.forwards = 0
+    (g,) = torch.autograd.grad(f(x), x)
+    assert Tanh.forwards == 1 and not g.requires_grad
+    (g,) = torch.autograd.grad(f(x), x, create_graph=True)
+    assert Tanh.forwards == 3  # the forward, then its eager replay
+    assert g.grad_fn is not None
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_inputs_are_released_by_a_backward_that_frees_the_graph(backend):
+    f = torch.compile(lambda x: Tanh.apply(x * 2), backend=backend, fullgraph=True)
+    y = f(dbl(3))
+    node = y.grad_fn
+    assert node._torch_opaque_replay is not None
+    y.sum().backward(retain_graph=True)
+    assert node._torch_opaque_replay is not None
+    y.sum().backward()
+    assert node._torch_opaque_replay is None
+
+
+def once_error(fn, grad_out_requires_grad):
+    x = dbl(3)
+    v = torch.ones(3, dtype=torch.double, requires_grad=grad_out_requires_grad)
+    (g,) = torch.autograd.grad(fn(x), x, v, create_graph=True)
+    torch.testing.assert_close(g, 2 * x.detach())
+    with pytest.raises(RuntimeError) as info:
+        g.sum().backward()
+    return str(info.value)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("grad_out_requires_grad", [False, True])
+def test_once_differentiable_gives_torchs_eager_error(backend, grad_out_requires_grad):
+    compiled = torch.compile(OnceSquare.apply, backend=backend, fullgraph=True)
+    ours = once_error(compiled, grad_out_requires_grad)
+    assert ours == once_error(lambda t: original(OnceSquare, t), grad_out_requires_grad)
+    if grad_out_requires_grad:
+        assert "marked with @once_differentiable" in ours
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_graphs_without_opaque_ops_keep_torchs_error(backend):
+    for fn in (StockTanh.apply, lambda t: t.tanh() * t):
+        torch._dynamo.reset()
+        x = dbl(3)
+        (g,) = torch.autograd.grad(
+            torch.compile(fn, backend=backend, fullgraph=True)(x).sum(), x, create_graph=True
+        )
+        with pytest.raises(RuntimeError, match=NO_DOUBLE):
+            g.sum().backward()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_random_forward_keeps_torchs_error(backend):
+    # Dropout's mask would be drawn again by a replay: torch's compiled
+    # backward runs instead, and differentiating it again is torch's error.
+    def f(x):
+        return Tanh.apply(F.dropout(x, 0.5, training=True)).sum()
+
+    x = dbl(64)
+    compiled = torch.compile(f, backend=backend, fullgraph=True)
+    (g,) = torch.autograd.grad(compiled(x), x, create_graph=True)
+    assert ((g == 0) | (g.abs() > 0)).all()
+    with pytest.raises(RuntimeError, match=NO_DOUBLE):
+        g.sum().backward()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_input_mutation_keeps_torchs_error(backend):
+    def f(x, buf):
+        buf.add_(1)
+        return Tanh.apply(x * buf).sum()
+
+    x, buf = dbl(3), torch.ones(3, dtype=torch.double)
+    (g,) = torch.autograd.grad(
+        torch.compile(f, backend=backend, fullgraph=True)(x, buf), x, create_graph=True
+    )
+    torch.testing.assert_close(g, 2 * (1 - torch.tanh(2 * x.detach()) ** 2))
+    with pytest.raises(RuntimeError, match=NO_DOUBLE):
+        g.sum().backward()
+
+
+def test_installed_when_dynamo_loads_not_on_import():
+    out = run_python(
+        """
+        import sys, torch, torch_opaque
+        from opaque_fixtures.archops import Cube
+        Cube.apply(torch.ones(2))
+        assert "torch._dynamo" not in sys.modules, "wrapping imported torch._dynamo"
+        import torch._dynamo.backends.common as common
+        from torch_opaque.hooks import compiled_double_backward as hook
+        assert hook._installed and common.aot_module_simplified.__wrapped__
+        """,
+        with_fixtures=True,
+    )
+    assert out.returncode == 0, out.stderr

@@ -1,0 +1,252 @@
+"""Double backward through ``torch.compile``d graphs that hold opaque ops.
+
+Note [Double backward in compiled graphs]
+AOTAutograd turns a compiled region into one autograd.Function
+(``CompiledFunction``, torch/_functorch/_aot_autograd/runtime_wrappers.py).
+Its forward saves the partitioned graph's residuals detached, so the compiled
+backward cannot be differentiated with respect to the region's inputs; when
+autograd records the backward (``create_graph=True``) torch wraps it in a
+Function whose backward raises "torch.compile with aot_autograd does not
+currently support double backward".
+
+For a region whose Dynamo graph calls opaque ops we do what eager autograd
+would have done: under ``create_graph=True`` the region's backward replays
+the Dynamo graph eagerly on the region's own input tensors, with grad mode
+on, and returns ``torch.autograd.grad(outputs, inputs, grads,
+create_graph=True)`` of that replay. Every operation of the replay records
+its derivative: ATen ops their formulas, opaque ops their Autograd kernel,
+whose ``Name_bwd`` records the user's backward (Note [Double backward] in
+csrc/backward_autograd_kernel.cpp). The gradients are therefore those of
+eager code, differentiable again with respect to inputs, parameters and the
+incoming gradients; a ``once_differentiable`` backward raises torch's own
+error when differentiated twice, as in eager code. A first-order backward
+(``create_graph=False``) runs the compiled backward as before.
+
+The replay must compute what the compiled forward computed. It is used only
+when that is known to hold, and otherwise the region keeps torch's compiled
+backward and torch's error on differentiating it again:
+- the region's inputs reach the Function as the Dynamo graph's inputs (its
+  parameters and buffers first, as aot_module_simplified passes them): no
+  deduplicated or synthetic-base inputs, no tensor subclasses, no effect
+  tokens, no backward state (compiled autograd's hooks);
+- no input mutations and no outputs that are views of inputs or of other
+  outputs or intermediates regenerated outside the Function (the Function's
+  outputs are then exactly the graph's outputs);
+- no input modified in place since the forward (version counters);
+- no autocast active at the forward (the replay runs outside it);
+- the replay draws no random numbers from the default generators (CPU
+  and, when initialised, CUDA): their state is compared around the replay
+  and restored, so a forward with dropout or a Function that samples keeps
+  torch's behaviour instead of getting gradients of different samples.
+
+Cost: the region's inputs stay referenced by its autograd node until a
+backward that does not keep the graph (``retain_graph=False``) has run or
+the graph is freed; a double backward runs the forward once more, eagerly.
+Regions without opaque ops are untouched: the hook only acts while
+aot_module_simplified compiles a graph that calls one (both ``aot_eager``
+and Inductor reach it through torch._dynamo.backends.common).
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+
+import torch
+
+_installed = False
+_compiling = threading.local()  # .graph: the Dynamo graph being compiled, if it holds opaque ops
+
+
+def _holds_opaque_ops(mod) -> bool:
+    from ..ops import opaque_nodes
+
+    return any(isinstance(m, torch.fx.GraphModule) and opaque_nodes(m) for m in mod.modules())
+
+
+class _Region:
+    """What a replay needs: the Dynamo graph and its parameter/buffer names."""
+
+    def __init__(self, mod):
+        self.mod = mod
+        params = dict(mod.named_parameters(remove_duplicate=False))
+        buffers = dict(mod.named_buffers(remove_duplicate=False))
+        self.state_names = list(params) + list(buffers)
+        # The replay is eager code even when a backward runs inside a frame
+        # Dynamo is compiling or evaluating.
+        self.run = torch._dynamo.disable(self._run, recursive=True)
+
+    def _run(self, inputs):
+        n = len(self.state_names)
+        if not n:
+            return self.mod(*inputs)
+        from torch.nn.utils.stateless import _reparametrize_module
+
+        with _reparametrize_module(self.mod, dict(zip(self.state_names, inputs[:n]))):
+            return self.mod(*inputs[n:])
+
+
+def _replayable(spec, region) -> bool:
+    """Whether the Function built from ``spec`` takes the graph's inputs and
+    returns its outputs as they are (Note [Double backward in compiled graphs])."""
+    from torch._functorch._aot_autograd.schemas import OutputType
+
+    meta = spec.fw_metadata
+    # outputs the Function returns as they are (no view regenerated outside it)
+    plain = (OutputType.non_alias, OutputType.unsafe_view_alias, OutputType.custom_function_view)
+    return (
+        spec.maybe_subclass_meta is None
+        and not spec.backward_state_indices
+        and spec.aot_config.num_params_buffers == len(region.state_names)
+        and not getattr(meta, "tokens", None)
+        and not meta.is_rng_op_functionalized
+        and getattr(meta, "num_intermediate_bases", 0) == 0
+        and not any(i.mutates_data or i.mutates_metadata for i in meta.input_info)
+        and all(o.output_type in plain for o in meta.output_info)
+    )
+
+
+def _rng_states():
+    states = [torch.get_rng_state()]
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        states.append(torch.cuda.get_rng_state_all())
+    return states
+
+
+def _set_rng_states(states) -> None:
+    torch.set_rng_state(states[0])
+    if len(states) > 1:
+        torch.cuda.set_rng_state_all(states[1])
+
+
+def _same_rng_states(a, b) -> bool:
+    if len(a) != len(b) or not torch.equal(a[0], b[0]):
+        return False
+    return len(a) == 1 or all(torch.equal(x, y) for x, y in zip(a[1], b[1]))
+
+
+class _Saved:
+    __slots__ = ("inputs", "versions")
+
+    def __init__(self, inputs):
+        self.inputs = inputs
+        self.versions = [t._version if isinstance(t, torch.Tensor) else None for t in inputs]
+
+    def unchanged(self) -> bool:
+        return all(
+            v is None or t._version == v for t, v in zip(self.inputs, self.versions)
+        )
+
+
+def _replay_grads(region, saved, grads):
+    """Input gradients of the eager replay, recorded (create_graph), or None
+    when the replay would not reproduce the compiled forward."""
+    inputs = saved.inputs
+    before = _rng_states()
+    try:
+        with torch.enable_grad():
+            outs = region.run(inputs)
+        after = _rng_states()
+    finally:
+        _set_rng_states(before)
+    if not _same_rng_states(before, after):
+        return None
+    outs = list(outs) if isinstance(outs, (tuple, list)) else [outs]
+    if len(outs) != len(grads):
+        return None
+    pairs = [
+        (o, g)
+        for o, g in zip(outs, grads)
+        if g is not None and isinstance(o, torch.Tensor) and o.requires_grad
+    ]
+    wanted = [i for i, t in enumerate(inputs) if isinstance(t, torch.Tensor) and t.requires_grad]
+    result = [None] * len(inputs)
+    if not pairs or not wanted:
+        return result
+    got = torch.autograd.grad(
+        [o for o, _ in pairs],
+        [inputs[i] for i in wanted],
+        [g for _, g in pairs],
+        create_graph=True,
+        allow_unused=True,
+    )
+    for i, g in zip(wanted, got):
+        result[i] = g
+    return result
+
+
+def _make_replayable(cls, region) -> None:
+    """Give the freshly built CompiledFunction class a forward that keeps its
+    inputs and a backward that replays under create_graph=True."""
+    compiled_forward, compiled_backward = cls.forward, cls.backward
+
+    def forward(ctx, *args):
+        if not torch._C._is_any_autocast_enabled():
+            ctx._torch_opaque_replay = _Saved(args)
+        return compiled_forward(ctx, *args)
+
+    def backward(ctx, *flat_args):
+        saved = getattr(ctx, "_torch_opaque_replay", None)
+        if saved is not None and not torch._C._autograd._get_current_graph_task_keep_graph():
+            ctx._torch_opaque_replay = None  # the graph is freed after this backward
+        if saved is not None and torch.is_grad_enabled() and saved.unchanged():
+            # boxed_grads_call: the gradients come as one list
+            grads = flat_args[0] if len(flat_args) == 1 and isinstance(flat_args[0], list) else flat_args
+            result = _replay_grads(region, saved, list(grads))
+            if result is not None:
+                return tuple(result)
+        return compiled_backward(ctx, *flat_args)
+
+    cls.forward = staticmethod(forward)
+    cls.backward = staticmethod(backward)
+
+
+def _routed_aot_module_simplified(original):
+    def aot_module_simplified(mod, args, *rest, **kwargs):
+        if not _holds_opaque_ops(mod):
+            return original(mod, args, *rest, **kwargs)
+        outer = getattr(_compiling, "region", None)
+        _compiling.region = _Region(mod)
+        try:
+            return original(mod, args, *rest, **kwargs)
+        finally:
+            _compiling.region = outer
+
+    aot_module_simplified.__wrapped__ = original
+    return aot_module_simplified
+
+
+def _routed_build(original):
+    def build(self):
+        cls = original(self)
+        region = getattr(_compiling, "region", None)
+        if region is not None and _replayable(self.spec, region):
+            _make_replayable(cls, region)
+        return cls
+
+    return build
+
+
+def install() -> None:
+    """Patch AOTAutograd once (called when Dynamo loads); a warning and no
+    patch when its internals are not as expected."""
+    global _installed
+    if _installed:
+        return
+    _installed = True
+    try:
+        from torch._dynamo.backends import common
+        from torch._functorch._aot_autograd import runtime_wrappers
+    except Exception as e:  # pragma: no cover - another torch version
+        warnings.warn(f"torch_opaque: compiled double backward not installed ({e}).")
+        return
+    factory = getattr(runtime_wrappers, "_AOTDispatchAutogradFunctionFactory", None)
+    if factory is None or not callable(getattr(common, "aot_module_simplified", None)):
+        warnings.warn(  # pragma: no cover - another torch version
+            f"torch_opaque: torch {torch.__version__} builds compiled autograd Functions "
+            f"differently; double backward through compiled graphs holding opaque ops keeps "
+            f"torch's error."
+        )
+        return
+    common.aot_module_simplified = _routed_aot_module_simplified(common.aot_module_simplified)
+    factory.build = _routed_build(factory.build)
