@@ -326,3 +326,19 @@ def test_installed_when_dynamo_loads_not_on_import():
         with_fixtures=True,
     )
     assert out.returncode == 0, out.stderr
+
+
+@pytest.mark.usefixtures("example_ops")
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_cpp_op_backward_written_with_aten_ops(backend):
+    # example::scaled_sin (examples/cpp): a C++ op, its backward made of ATen ops.
+    def f(x):
+        return torch.ops.example.scaled_sin(x * x, 1.5).sum()
+
+    x, v = dbl(3, 4), torch.randn(3, 4, dtype=torch.double)
+    compiled = torch.compile(f, backend=backend, fullgraph=True)
+    (g,) = torch.autograd.grad(compiled(x), x, create_graph=True)
+    (h,) = torch.autograd.grad(g, x, v)
+    t = x.detach()
+    torch.testing.assert_close(g, 1.5 * (t * t).cos() * 2 * t)
+    torch.testing.assert_close(h, v * 1.5 * (2 * (t * t).cos() - 4 * t * t * (t * t).sin()))

@@ -58,10 +58,21 @@ _installed = False
 _compiling = threading.local()  # .graph: the Dynamo graph being compiled, if it holds opaque ops
 
 
-def _holds_opaque_ops(mod) -> bool:
-    from ..ops import opaque_nodes
+def _is_opaque_target(target) -> bool:
+    from ..ops import opaque_info
 
-    return any(isinstance(m, torch.fx.GraphModule) and opaque_nodes(m) for m in mod.modules())
+    if isinstance(target, torch._ops.OpOverloadPacket):  # torch.ops.ns.name(...) in user code
+        return any(opaque_info(getattr(target, o)) is not None for o in target.overloads())
+    return opaque_info(target) is not None
+
+
+def _holds_opaque_ops(mod) -> bool:
+    return any(
+        n.op == "call_function" and _is_opaque_target(n.target)
+        for m in mod.modules()
+        if isinstance(m, torch.fx.GraphModule)
+        for n in m.graph.nodes
+    )
 
 
 class _Region:
