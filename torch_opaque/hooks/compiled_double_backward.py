@@ -29,9 +29,10 @@ backward and torch's error on differentiating it again:
   parameters and buffers first, as aot_module_simplified passes them): no
   deduplicated or synthetic-base inputs, no tensor subclasses, no effect
   tokens, no backward state (compiled autograd's hooks);
-- no input mutations and no outputs that are views of inputs or of other
-  outputs or intermediates regenerated outside the Function (the Function's
-  outputs are then exactly the graph's outputs);
+- no input mutations (the Function's outputs are then the graph's outputs,
+  followed by the bases of outputs that are views of intermediates, which
+  the replay returns too; outputs that are inputs or views of inputs are
+  regenerated outside the Function, which gets no gradient for them);
 - no input modified in place since the forward (version counters);
 - no autocast active at the forward (the replay runs outside it);
 - the replay draws no random numbers from the default generators (CPU
@@ -97,24 +98,44 @@ class _Region:
             return self.mod(*inputs[n:])
 
 
-def _replayable(spec, region) -> bool:
-    """Whether the Function built from ``spec`` takes the graph's inputs and
-    returns its outputs as they are (Note [Double backward in compiled graphs])."""
+def _intermediate_bases(spec, region):
+    """Where the Function built from ``spec`` returns the graph's outputs as
+    they are (Note [Double backward in compiled graphs]): the list of
+    (output index, base index) of the outputs whose ``._base`` it also returns
+    after them (views of intermediates, regenerated outside the Function);
+    None when the replay cannot stand for the Function."""
     from torch._functorch._aot_autograd.schemas import OutputType
 
     meta = spec.fw_metadata
-    # outputs the Function returns as they are (no view regenerated outside it)
-    plain = (OutputType.non_alias, OutputType.unsafe_view_alias, OutputType.custom_function_view)
-    return (
+    replayable = (
         spec.maybe_subclass_meta is None
         and not spec.backward_state_indices
         and spec.aot_config.num_params_buffers == len(region.state_names)
         and not getattr(meta, "tokens", None)
         and not meta.is_rng_op_functionalized
-        and getattr(meta, "num_intermediate_bases", 0) == 0
         and not any(i.mutates_data or i.mutates_metadata for i in meta.input_info)
-        and all(o.output_type in plain for o in meta.output_info)
     )
+    if not replayable:
+        return None
+    as_they_are = (
+        OutputType.non_alias,
+        OutputType.unsafe_view_alias,
+        OutputType.custom_function_view,
+        OutputType.alias_of_intermediate,  # its base is returned for another output
+        OutputType.alias_of_intermediate_base_is_user_output,
+        # regenerated from the inputs outside the Function: its own output there gets no gradient
+        OutputType.alias_of_input,
+        OutputType.is_input,
+    )
+    bases = []
+    for i, o in enumerate(meta.output_info):
+        if o.output_type == OutputType.alias_of_intermediate_save_as_output:
+            bases.append((i, o.base_idx))
+        elif o.output_type not in as_they_are:  # a kind this torch version adds
+            return None
+    if sorted(b for _, b in bases) != list(range(meta.num_intermediate_bases)):
+        return None
+    return bases
 
 
 def _rng_states():
@@ -149,7 +170,7 @@ class _Saved:
         )
 
 
-def _replay_grads(region, saved, grads):
+def _replay_grads(region, bases, saved, grads):
     """Input gradients of the eager replay, recorded (create_graph), or None
     when the replay would not reproduce the compiled forward."""
     inputs = saved.inputs
@@ -163,6 +184,13 @@ def _replay_grads(region, saved, grads):
     if not _same_rng_states(before, after):
         return None
     outs = list(outs) if isinstance(outs, (tuple, list)) else [outs]
+    if bases:
+        extra = [None] * len(bases)
+        for i, b in bases:
+            extra[b] = getattr(outs[i], "_base", None) if i < len(outs) else None
+        if any(e is None for e in extra):
+            return None
+        outs += extra
     if len(outs) != len(grads):
         return None
     pairs = [
@@ -186,7 +214,7 @@ def _replay_grads(region, saved, grads):
     return result
 
 
-def _make_replayable(cls, region) -> None:
+def _make_replayable(cls, region, bases) -> None:
     """Give the freshly built CompiledFunction class a forward that keeps its
     inputs and a backward that replays under create_graph=True."""
     compiled_forward, compiled_backward = cls.forward, cls.backward
@@ -203,7 +231,7 @@ def _make_replayable(cls, region) -> None:
         if saved is not None and torch.is_grad_enabled() and saved.unchanged():
             # boxed_grads_call: the gradients come as one list
             grads = flat_args[0] if len(flat_args) == 1 and isinstance(flat_args[0], list) else flat_args
-            result = _replay_grads(region, saved, list(grads))
+            result = _replay_grads(region, bases, saved, list(grads))
             if result is not None:
                 return tuple(result)
         return compiled_backward(ctx, *flat_args)
@@ -231,8 +259,9 @@ def _routed_build(original):
     def build(self):
         cls = original(self)
         region = getattr(_compiling, "region", None)
-        if region is not None and _replayable(self.spec, region):
-            _make_replayable(cls, region)
+        bases = None if region is None else _intermediate_bases(self.spec, region)
+        if bases is not None:
+            _make_replayable(cls, region, bases)
         return cls
 
     return build
