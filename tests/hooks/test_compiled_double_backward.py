@@ -385,3 +385,18 @@ def test_outputs_that_are_inputs_or_their_views(backend):
 
     for ours, ref in zip(second(torch.compile(f, backend=backend, fullgraph=True)), second(r)):
         torch.testing.assert_close(ours, ref)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_graph_with_an_inlined_stock_function_keeps_torchs_error(backend):
+    # Dynamo inlines StockTanh as a higher-order op whose eager replay would
+    # not differentiate its backward: no replay, torch's error.
+    def f(x):
+        return StockTanh.apply(Tanh.apply(x * 2) * 3).sum()
+
+    x = dbl(4)
+    (g,) = torch.autograd.grad(torch.compile(f, backend=backend, fullgraph=True)(x), x, create_graph=True)
+    (ref,) = torch.autograd.grad(StockTanh.apply(original(Tanh, x * 2) * 3).sum(), x)
+    torch.testing.assert_close(g, ref)
+    with pytest.raises(RuntimeError, match=NO_DOUBLE):
+        g.sum().backward()

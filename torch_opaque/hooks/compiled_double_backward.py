@@ -25,6 +25,9 @@ error when differentiated twice, as in eager code. A first-order backward
 The replay must compute what the compiled forward computed. It is used only
 when that is known to hold, and otherwise the region keeps torch's compiled
 backward and torch's error on differentiating it again:
+- the graph holds no higher-order op (a stock autograd.Function that Dynamo
+  inlined runs eagerly as ``autograd_function_apply``, whose backward would
+  not be differentiated as the Function's is: silently wrong values);
 - the region's inputs reach the Function as the Dynamo graph's inputs (its
   parameters and buffers first, as aot_module_simplified passes them): no
   deduplicated or synthetic-base inputs, no tensor subclasses, no effect
@@ -67,13 +70,20 @@ def _is_opaque_target(target) -> bool:
     return opaque_info(target) is not None
 
 
-def _holds_opaque_ops(mod) -> bool:
-    return any(
-        n.op == "call_function" and _is_opaque_target(n.target)
+def _replays_opaque_ops(mod) -> bool:
+    """Whether the graph calls opaque ops and holds no higher-order op (a
+    stock Function Dynamo inlined runs eagerly as autograd_function_apply,
+    whose eager backward is not differentiable again as the Function's is)."""
+    targets = [
+        n.target
         for m in mod.modules()
         if isinstance(m, torch.fx.GraphModule)
         for n in m.graph.nodes
-    )
+        if n.op == "call_function"
+    ]
+    if any(isinstance(t, torch._ops.HigherOrderOperator) for t in targets):
+        return False
+    return any(_is_opaque_target(t) for t in targets)
 
 
 class _Region:
@@ -242,7 +252,7 @@ def _make_replayable(cls, region, bases) -> None:
 
 def _routed_aot_module_simplified(original):
     def aot_module_simplified(mod, args, *rest, **kwargs):
-        if not _holds_opaque_ops(mod):
+        if not _replays_opaque_ops(mod):
             return original(mod, args, *rest, **kwargs)
         outer = getattr(_compiling, "region", None)
         _compiling.region = _Region(mod)
