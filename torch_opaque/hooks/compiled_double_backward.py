@@ -42,6 +42,13 @@ backward and torch's error on differentiating it again:
   and, when initialised, CUDA): their state is compared around the replay
   and restored, so a forward with dropout or a Function that samples keeps
   torch's behaviour instead of getting gradients of different samples.
+  Not detected: random numbers drawn from a ``torch.Generator`` the user
+  made (the replay draws new ones: wrong second derivatives).
+
+The replay runs the forward's Python code again (side effects such as
+counters or prints happen twice). Under compiled autograd the region's
+backward is traced by torch (proxy_call_aot_backward), not run here:
+torch's behaviour.
 
 Cost: the region's inputs stay referenced by its autograd node until a
 backward that does not keep the graph (``retain_graph=False``) has run or
@@ -59,7 +66,7 @@ import warnings
 import torch
 
 _installed = False
-_compiling = threading.local()  # .graph: the Dynamo graph being compiled, if it holds opaque ops
+_compiling = threading.local()  # .region: the _Region being compiled, if its graph is replayed
 
 
 def _is_opaque_target(target) -> bool:
