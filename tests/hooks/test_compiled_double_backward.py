@@ -400,3 +400,43 @@ def test_graph_with_an_inlined_stock_function_keeps_torchs_error(backend):
     torch.testing.assert_close(g, ref)
     with pytest.raises(RuntimeError, match=NO_DOUBLE):
         g.sum().backward()
+
+
+SCALE = [1.0]
+
+
+@torch_opaque.op(name="DblGlobalScale")
+class GlobalScale(torch.autograd.Function):
+    """Reads global state when it runs: a replay after the state changed
+    would compute something else."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.scale = SCALE[0]
+        ctx.save_for_backward(x)
+        return x.sin() * ctx.scale
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        return g * x.cos() * ctx.scale
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_replay_that_differs_from_the_forward_keeps_torchs_error(backend):
+    f = torch.compile(lambda x: GlobalScale.apply(x * 2).sum(), backend=backend, fullgraph=True)
+    x = dbl(3)
+    SCALE[0] = 1.0
+    try:
+        y = f(x)
+        SCALE[0] = 3.0  # the replay would compute 3 sin(2x)
+        (g,) = torch.autograd.grad(y, x, create_graph=True)
+    finally:
+        SCALE[0] = 1.0
+    torch.testing.assert_close(g, 2 * (2 * x.detach()).cos())
+    with pytest.raises(RuntimeError, match=NO_DOUBLE):
+        g.sum().backward()
+    # unchanged state: the replay is used
+    (g,) = torch.autograd.grad(f(x), x, create_graph=True)
+    (h,) = torch.autograd.grad(g.sum(), x)
+    torch.testing.assert_close(h, -4 * (2 * x.detach()).sin())

@@ -41,18 +41,21 @@ backward and torch's error on differentiating it again:
 - the replay draws no random numbers from the default generators (CPU
   and, when initialised, CUDA): their state is compared around the replay
   and restored, so a forward with dropout or a Function that samples keeps
-  torch's behaviour instead of getting gradients of different samples.
-  Not detected: random numbers drawn from a ``torch.Generator`` the user
-  made (the replay draws new ones: wrong second derivatives).
+  torch's behaviour instead of getting gradients of different samples;
+- the replay's outputs equal those the compiled forward returned (kept
+  detached; compared within rounding tolerances): a safety net for what
+  the checks above cannot see (a ``torch.Generator`` the user made, global
+  state the forward reads, an output modified in place since).
 
 The replay runs the forward's Python code again (side effects such as
 counters or prints happen twice). Under compiled autograd the region's
 backward is traced by torch (proxy_call_aot_backward), not run here:
 torch's behaviour.
 
-Cost: the region's inputs stay referenced by its autograd node until a
-backward that does not keep the graph (``retain_graph=False``) has run or
-the graph is freed; a double backward runs the forward once more, eagerly.
+Cost: the region's inputs and (detached) outputs stay referenced by its
+autograd node until a backward that does not keep the graph
+(``retain_graph=False``) has run or the graph is freed; a double backward
+runs the forward once more, eagerly.
 Regions without opaque ops are untouched: the hook only acts while
 aot_module_simplified compiles a graph that calls one (both ``aot_eager``
 and Inductor reach it through torch._dynamo.backends.common).
@@ -175,16 +178,50 @@ def _same_rng_states(a, b) -> bool:
 
 
 class _Saved:
-    __slots__ = ("inputs", "versions")
+    """The region's inputs (with their versions) and, detached, what its
+    forward returned."""
+
+    __slots__ = ("inputs", "versions", "outputs")
 
     def __init__(self, inputs):
         self.inputs = inputs
         self.versions = [t._version if isinstance(t, torch.Tensor) else None for t in inputs]
+        self.outputs = ()
 
     def unchanged(self) -> bool:
         return all(
             v is None or t._version == v for t, v in zip(self.inputs, self.versions)
         )
+
+
+# Tolerances for comparing the replay with the compiled forward: the compiled
+# code rounds differently (fused kernels), a different computation differs by
+# far more.
+_TOLERANCES = {
+    torch.float64: (1e-7, 1e-7),
+    torch.float16: (1e-2, 1e-3),
+    torch.bfloat16: (5e-2, 1e-2),
+}
+
+
+def _reproduces(replayed, saved_outputs) -> bool:
+    """Whether the replay's outputs are those the compiled forward returned."""
+    if len(replayed) != len(saved_outputs):
+        return False
+    for a, b in zip(replayed, saved_outputs):
+        if not isinstance(b, torch.Tensor):
+            continue
+        if not isinstance(a, torch.Tensor) or a.shape != b.shape or a.dtype != b.dtype:
+            return False
+        a = a.detach()
+        if not (a.is_floating_point() or a.is_complex()):
+            if not torch.equal(a, b):
+                return False
+            continue
+        rtol, atol = _TOLERANCES.get(a.dtype, (1e-4, 1e-5))
+        if not torch.allclose(a, b, rtol=rtol, atol=atol, equal_nan=True):
+            return False
+    return True
 
 
 def _replay_grads(region, bases, saved, grads):
@@ -208,7 +245,7 @@ def _replay_grads(region, bases, saved, grads):
         if any(e is None for e in extra):
             return None
         outs += extra
-    if len(outs) != len(grads):
+    if len(outs) != len(grads) or not _reproduces(outs, saved.outputs):
         return None
     pairs = [
         (o, g)
@@ -237,9 +274,13 @@ def _make_replayable(cls, region, bases) -> None:
     compiled_forward, compiled_backward = cls.forward, cls.backward
 
     def forward(ctx, *args):
-        if not torch._C._is_any_autocast_enabled():
-            ctx._torch_opaque_replay = _Saved(args)
-        return compiled_forward(ctx, *args)
+        if torch._C._is_any_autocast_enabled():
+            return compiled_forward(ctx, *args)
+        saved = _Saved(args)
+        outs = compiled_forward(ctx, *args)
+        saved.outputs = tuple(o.detach() if isinstance(o, torch.Tensor) else None for o in outs)
+        ctx._torch_opaque_replay = saved
+        return outs
 
     def backward(ctx, *flat_args):
         saved = getattr(ctx, "_torch_opaque_replay", None)
