@@ -312,20 +312,26 @@ def test_input_mutation_keeps_torchs_error(backend):
         g.sum().backward()
 
 
-def test_installed_when_dynamo_loads_not_on_import():
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_installed_when_compile_first_runs_not_on_import(backend):
+    # A fresh process whose first torch.compile imports Dynamo (and Inductor):
+    # the hook arms itself then, not on import or wrap.
     out = run_python(
-        """
+        f"""
         import sys, torch, torch_opaque
-        from opaque_fixtures.archops import Cube
-        Cube.apply(torch.ones(2))
+        from opaque_fixtures.archops import ScaledSin
+        ScaledSin.apply(torch.ones(2), 1.0)
         assert "torch._dynamo" not in sys.modules, "wrapping imported torch._dynamo"
-        import torch._dynamo.backends.common as common
-        from torch_opaque.hooks import compiled_double_backward as hook
-        assert hook._installed and common.aot_module_simplified.__wrapped__
+        f = torch.compile(lambda x: ScaledSin.apply(x * 2, 1.5).sum(), backend="{backend}")
+        x = torch.randn(3, dtype=torch.double, requires_grad=True)
+        (g,) = torch.autograd.grad(f(x), x, create_graph=True)
+        (h,) = torch.autograd.grad(g.sum(), x)
+        torch.testing.assert_close(h, -6 * (2 * x.detach()).sin())
         """,
         with_fixtures=True,
     )
     assert out.returncode == 0, out.stderr
+    assert "not installed" not in out.stderr
 
 
 @pytest.mark.usefixtures("example_ops")

@@ -63,6 +63,8 @@ and Inductor reach it through torch._dynamo.backends.common).
 
 from __future__ import annotations
 
+import importlib.abc
+import sys
 import threading
 import warnings
 
@@ -325,19 +327,12 @@ def _routed_build(original):
     return build
 
 
-def install() -> None:
-    """Patch AOTAutograd once (called when Dynamo loads); a warning and no
-    patch when its internals are not as expected."""
-    global _installed
-    if _installed:
-        return
-    _installed = True
-    try:
-        from torch._dynamo.backends import common
-        from torch._functorch._aot_autograd import runtime_wrappers
-    except Exception as e:  # pragma: no cover - another torch version
-        warnings.warn(f"torch_opaque: compiled double backward not installed ({e}).")
-        return
+_COMMON = "torch._dynamo.backends.common"  # where aot_eager and Inductor call AOTAutograd
+
+
+def _patch(common) -> None:
+    from torch._functorch._aot_autograd import runtime_wrappers
+
     factory = getattr(runtime_wrappers, "_AOTDispatchAutogradFunctionFactory", None)
     if factory is None or not callable(getattr(common, "aot_module_simplified", None)):
         warnings.warn(  # pragma: no cover - another torch version
@@ -348,3 +343,53 @@ def install() -> None:
         return
     common.aot_module_simplified = _routed_aot_module_simplified(common.aot_module_simplified)
     factory.build = _routed_build(factory.build)
+
+
+class _CommonWatcher(importlib.abc.MetaPathFinder):
+    """Patches right after torch._dynamo.backends.common has been imported.
+    Importing it from the Dynamo hook could re-enter a partially imported
+    torch._inductor (torch.compile's first call imports Inductor, which
+    imports Dynamo), so the patch waits for its first import."""
+
+    def find_spec(self, name, path, target=None):
+        if name != _COMMON:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(name, path, target)
+            if spec is not None:
+                break
+        else:
+            return None
+        exec_module = spec.loader.exec_module
+
+        def exec_then_patch(module):
+            exec_module(module)
+            if self in sys.meta_path:
+                sys.meta_path.remove(self)
+            _patch(module)
+
+        spec.loader.exec_module = exec_then_patch
+        return spec
+
+
+def install() -> None:
+    """Patch AOTAutograd once (called when Dynamo loads): now if
+    torch._dynamo.backends.common is loaded, else when it is; a warning and
+    no patch when its internals are not as expected."""
+    global _installed
+    if _installed:
+        return
+    _installed = True
+    common = sys.modules.get(_COMMON)
+    if common is None:
+        sys.meta_path.insert(0, _CommonWatcher())
+    elif hasattr(common, "aot_autograd"):  # its last definition: fully imported
+        _patch(common)
+    else:  # pragma: no cover - imported part-way; not seen with torch 2.13/2.14
+        warnings.warn(
+            "torch_opaque: torch._dynamo.backends.common was being imported when Dynamo "
+            "finished loading; double backward through compiled graphs holding opaque ops "
+            "keeps torch's error."
+        )
