@@ -482,3 +482,40 @@ def test_float32_gradient_penalty_of_a_wider_model(backend):
 
     for a, b in zip(penalty(torch.compile(model, backend=backend)), penalty(ref_model)):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+@torch_opaque.op(name="DblNoisyScale")
+class NoisyScale(torch.autograd.Function):
+    """Samples inside the Function: a replay would draw other numbers."""
+
+    @staticmethod
+    def forward(ctx, x):
+        noise = torch.rand_like(x) + 0.5
+        ctx.save_for_backward(x, noise)
+        return x.sin() * noise
+
+    @staticmethod
+    def backward(ctx, g):
+        x, noise = ctx.saved_tensors
+        return g * x.cos() * noise
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_function_that_samples_keeps_torchs_error(backend):
+    x = dbl(5)
+    f = torch.compile(lambda t: NoisyScale.apply(t * 2).sum(), backend=backend, fullgraph=True)
+    (g,) = torch.autograd.grad(f(x), x, create_graph=True)
+    noise = g / (2 * (2 * x.detach()).cos())
+    assert ((noise >= 0.5) & (noise <= 1.5)).all()
+    with pytest.raises(RuntimeError, match=NO_DOUBLE):
+        g.sum().backward()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_autocast_keeps_torchs_error(backend):
+    x = torch.randn(4, requires_grad=True)
+    f = torch.compile(lambda t: Tanh.apply(t @ t.view(4, 1)).sum(), backend=backend, fullgraph=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        (g,) = torch.autograd.grad(f(x), x, create_graph=True)
+    with pytest.raises(RuntimeError, match=NO_DOUBLE):
+        g.sum().backward()

@@ -37,7 +37,9 @@ backward and torch's error on differentiating it again:
   the replay returns too; outputs that are inputs or views of inputs are
   regenerated outside the Function, which gets no gradient for them);
 - no input modified in place since the forward (version counters);
-- no autocast active at the forward (the replay runs outside it);
+- not compiled under autocast (AOTAutograd bakes its casts into the graph
+  and runs it with autocast off; a replay of the Dynamo graph would not
+  know which state to restore);
 - the replay draws no random numbers from the default generators (CPU
   and, when initialised, CUDA): their state is compared around the replay
   and restored, so a forward with dropout or a Function that samples keeps
@@ -131,6 +133,7 @@ def _intermediate_bases(spec, region):
     meta = spec.fw_metadata
     replayable = (
         spec.maybe_subclass_meta is None
+        and not spec.disable_amp  # compiled under autocast: its casts are baked into the graph
         and not spec.backward_state_indices
         and spec.aot_config.num_params_buffers == len(region.state_names)
         and not getattr(meta, "tokens", None)
@@ -276,8 +279,6 @@ def _make_replayable(cls, region, bases) -> None:
     compiled_forward, compiled_backward = cls.forward, cls.backward
 
     def forward(ctx, *args):
-        if torch._C._is_any_autocast_enabled():
-            return compiled_forward(ctx, *args)
         saved = _Saved(args)
         outs = compiled_forward(ctx, *args)
         saved.outputs = tuple(o.detach() if isinstance(o, torch.Tensor) else None for o in outs)
