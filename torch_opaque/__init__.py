@@ -45,6 +45,11 @@ def load_library(path) -> None:
     that do not match): the ops that did register stay usable.
     """
     _C.take_registration_errors()  # failures of libraries loaded other ways are not ours
+    # Dynamo routes torch.ops calls of C++ ops itself; the hook is armed for
+    # double backward through compiled graphs holding them.
+    from .hooks.dynamo import install_when_dynamo_loads
+
+    install_when_dynamo_loads()
     before = _cpp_fakes.op_names()
     torch.ops.load_library(str(path))
     errors = _C.take_registration_errors()

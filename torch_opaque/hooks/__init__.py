@@ -9,6 +9,10 @@
 - :mod:`.dynamo`: Dynamo's handling of ``Cls.apply`` calls, installed when
   ``torch._dynamo`` is first imported, never by ``import torch_opaque``
   (Note [Dynamo and wrapped classes]).
+- :mod:`.compiled_double_backward`: AOTAutograd's compiled Function of a
+  region whose graph calls opaque ops replays that graph eagerly under
+  ``create_graph=True``, installed with the Dynamo hook
+  (Note [Double backward in compiled graphs]).
 
 Each patch first checks that the internals it replaces look as expected for
 this torch version and, if not, leaves them alone with a warning that names

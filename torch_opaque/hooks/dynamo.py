@@ -206,6 +206,9 @@ def install() -> None:
     AutogradFunctionVariable.call_apply = _routed_call_apply(AutogradFunctionVariable.call_apply)
     UserMethodVariable.call_function = _routed_function_call(UserMethodVariable.call_function)
     UserFunctionVariable.call_function = _routed_function_call(UserFunctionVariable.call_function)
+    from . import compiled_double_backward
+
+    compiled_double_backward.install()  # Note [Double backward in compiled graphs]
 
 
 class _DynamoWatcher(importlib.abc.MetaPathFinder):
