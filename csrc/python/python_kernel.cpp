@@ -351,13 +351,11 @@ PyObject* optional_tensors_tuple(const std::vector<at::Tensor>& ts) {
   return t;
 }
 
-// `schema`: the `_bwd` schema the kernel runs for, or nullptr for Python
-// callers (which have no eager state).
-void run_backward(const BackwardSpec& s, const c10::FunctionSchema* schema,
-                  torch::jit::Stack* stack) {
-  auto [saved, grads, needs, state, state_ints] = detail::pop_backward_args(stack);
-  const EagerState* eager = schema ? current_eager_state(*schema) : nullptr;
-
+// The user's backward on `_bwd`'s arguments; `eager`: the eager state its
+// node passed (Note [Eager context state]), or nullptr.
+std::vector<at::Tensor> run_backward(const BackwardSpec& s, BackwardArgs args,
+                                     const EagerState* eager) {
+  auto& [saved, grads, needs, state, state_ints] = args;
   py::gil_scoped_acquire gil;
   py::object saved_py = steal(optional_tensors_tuple(saved));
   py::object grads_py = steal(optional_tensors_tuple(grads));
@@ -391,7 +389,7 @@ void run_backward(const BackwardSpec& s, const c10::FunctionSchema* schema,
       TORCH_INTERNAL_ASSERT(false, s.name, ": bad gradient ", i, " was not reported");
     }
   }
-  detail::finish_backward(s.name, s.tensor_args, std::move(result), saved, grads, stack);
+  return detail::finish_backward(s.name, s.tensor_args, std::move(result), saved, grads);
 }
 
 ForwardSpec forward_spec(const py::object& runner) {
@@ -466,10 +464,10 @@ BoxedKernel make_python_forward(py::object runner) {
   };
 }
 
-BoxedKernel make_python_backward(py::object runner) {
+DirectBackward make_python_backward(py::object runner) {
   auto s = python_owned(backward_spec(runner));
-  return [s](const c10::FunctionSchema& schema, torch::jit::Stack* stack) {
-    run_backward(*s, &schema, stack);
+  return [s](BackwardArgs args, const EagerState* eager) {
+    return run_backward(*s, std::move(args), eager);
   };
 }
 
@@ -520,27 +518,23 @@ py::list run_backward_from_python(py::object runner, py::object backward, py::ob
                                   std::vector<c10::SymInt> state_ints) {
   BackwardSpec s = backward_spec(runner);
   s.backward = std::move(backward);
-  auto optional_ivalues = [](const py::object& seq) {
-    c10::List<std::optional<at::Tensor>> l;
+  auto tensors = [](const py::object& seq) {
+    std::vector<at::Tensor> l;
     for (py::handle t : seq) {
-      l.push_back(t.is_none() ? std::nullopt
-                              : std::optional<at::Tensor>(THPVariable_Unpack(t.ptr())));
+      l.push_back(t.is_none() ? at::Tensor() : THPVariable_Unpack(t.ptr()));
     }
     return l;
   };
-  c10::List<bool> flags;
-  for (py::handle b : needs) flags.push_back(py::cast<bool>(b));
-  torch::jit::Stack stack;
-  stack.emplace_back(optional_ivalues(saved));
-  stack.emplace_back(optional_ivalues(grads));
-  stack.emplace_back(std::move(flags));
-  stack.emplace_back(std::move(state));
-  stack.emplace_back(c10::SymIntArrayRef(state_ints));
-  run_backward(s, nullptr, &stack);
+  BackwardArgs args;
+  args.saved = tensors(saved);
+  args.grads = tensors(grads);
+  for (py::handle b : needs) args.needs_input_grad.push_back(py::cast<bool>(b));
+  args.state = std::move(state);
+  args.state_ints = std::move(state_ints);
+  std::vector<at::Tensor> result = run_backward(s, std::move(args), nullptr);
   py::list out;
-  for (const auto& g : stack.back().toOptionalTensorList()) {
-    std::optional<at::Tensor> t = g;
-    out.append(t.has_value() ? steal(wrap_tensor(*t)) : py::none());
+  for (const at::Tensor& g : result) {
+    out.append(g.defined() ? steal(wrap_tensor(g)) : py::none());
   }
   return out;
 }
