@@ -123,6 +123,30 @@ py::object call_with_first(PyObject* f, PyObject* first, PyObject* rest_tuple) {
                                    nullptr));
 }
 
+// Calls f(first, *tensors), None for undefined tensors, without building a
+// tuple (one GC-tracked allocation fewer per backward).
+py::object call_with_tensors(PyObject* f, PyObject* first, const std::vector<at::Tensor>& ts) {
+  c10::SmallVector<PyObject*, 9> argv(ts.size() + 2, nullptr);
+  // argv[0] is scratch space for PY_VECTORCALL_ARGUMENTS_OFFSET.
+  argv[1] = first;
+  struct Release {
+    c10::SmallVector<PyObject*, 9>& v;
+    ~Release() {
+      for (size_t i = 2; i < v.size(); ++i) Py_XDECREF(v[i]);
+    }
+  } release{argv};
+  for (size_t i = 0; i < ts.size(); ++i) {
+    if (ts[i].defined()) {
+      argv[i + 2] = wrap_tensor(ts[i]);
+    } else {
+      Py_INCREF(Py_None);
+      argv[i + 2] = Py_None;
+    }
+  }
+  return steal(PyObject_Vectorcall(f, argv.data() + 1,
+                                   (ts.size() + 1) | PY_VECTORCALL_ARGUMENTS_OFFSET, nullptr));
+}
+
 // Note [Eager context state] for Python Functions: the ctx's attribute dict,
 // kept as it is. encode() is kernels.Runner.encode_attrs.
 class PyEagerState final : public EagerState {
@@ -358,7 +382,6 @@ std::vector<at::Tensor> run_backward(const BackwardSpec& s, BackwardArgs args,
   auto& [saved, grads, needs, state, state_ints] = args;
   py::gil_scoped_acquire gil;
   py::object saved_py = steal(optional_tensors_tuple(saved));
-  py::object grads_py = steal(optional_tensors_tuple(grads));
   py::object attrs = py::none();
   if (const auto* py_state = dynamic_cast<const PyEagerState*>(eager)) {
     attrs = py::reinterpret_borrow<py::object>(py_state->attrs());
@@ -370,7 +393,7 @@ std::vector<at::Tensor> run_backward(const BackwardSpec& s, BackwardArgs args,
   py::object needs_py = steal(bool_tuple(needs));
   py::object ctx = steal(
       new_backward_context(s.fn_name.ptr(), saved_py.ptr(), needs_py.ptr(), attrs.ptr()));
-  py::object res = call_with_first(s.backward.ptr(), ctx.ptr(), grads_py.ptr());
+  py::object res = call_with_tensors(s.backward.ptr(), ctx.ptr(), grads);
   if (!PyTuple_Check(res.ptr())) res = steal(PyTuple_Pack(1, res.ptr()));
   const size_t n = s.tensor_args.size();
   if (PyTuple_GET_SIZE(res.ptr()) != static_cast<Py_ssize_t>(n)) {
