@@ -17,6 +17,7 @@
 #include <c10/core/impl/TorchDispatchModeTLS.h>
 #include <c10/util/SmallVector.h>
 #include <ATen/core/LegacyTypeDispatch.h>
+#include <ATen/record_function.h>
 
 #include <optional>
 #include <string>
@@ -36,7 +37,9 @@ using torch::autograd::variable_list;
 // second time" checks apply), the non-tensor record, and, per next edge, the
 // `_bwd` result slot it takes its gradient from (the forward argument, or one
 // element of a Tensor[] argument: Note [Tensor-list gradients]). apply() calls `ns::Name_bwd` through the
-// dispatcher, so a traced backward shows it as one node.
+// dispatcher, so a traced backward shows it as one node; in plain eager mode
+// it calls the op's backward kernel directly (Note [Direct backward] in
+// opaque_op.h).
 class OpaqueBackward final : public Node {
  public:
   OpaqueBackward(std::shared_ptr<OpaqueOp> op, std::vector<bool> needs_input_grad,
@@ -61,22 +64,75 @@ class OpaqueBackward final : public Node {
                 " a second time (or to access its saved tensors after they were "
                 "freed). Pass retain_graph=True to the first backward call if you "
                 "need to backward twice.");
-    c10::List<std::optional<at::Tensor>> saved_list;
-    saved_list.reserve(saved_.size());
-    for (const auto& sv : saved_) {
-      at::Tensor t = sv.unpack(getptr());
-      saved_list.push_back(t.defined() ? std::optional<at::Tensor>(std::move(t))
-                                       : std::nullopt);
-    }
-    c10::List<std::optional<at::Tensor>> grad_list;
-    grad_list.reserve(grads.size());
+    std::vector<at::Tensor> saved;
+    saved.reserve(saved_.size());
+    for (const auto& sv : saved_) saved.push_back(sv.unpack(getptr()));
     for (size_t i = 0; i < grads.size(); ++i) {
       if (!grads[i].defined() && materialize_grads_) {
         grads[i] = input_metadata(i).zeros_like();
       }
-      grad_list.push_back(grads[i].defined() ? std::optional<at::Tensor>(grads[i])
-                                             : std::nullopt);
     }
+    // Note [Direct backward] (opaque_op.h).
+    const DirectBackward& direct = op_->definition().direct_backward;
+    if (direct && direct_call(saved, grads)) {
+      BackwardArgs args{std::move(saved), std::move(grads), needs_input_grad_, state_,
+                        state_ints_};
+      at::AutoDispatchBelowADInplaceOrView below;
+      return to_edges(direct(std::move(args), eager_state_.get()));
+    }
+    return to_edges(dispatch(saved, grads));
+  }
+
+  // Whether `_bwd` called through the dispatcher would go straight to its
+  // CompositeExplicitAutograd kernel, below autograd (Note [Direct backward]).
+  bool direct_call(const std::vector<at::Tensor>& saved, const variable_list& grads) const {
+    if (at::GradMode::is_enabled() || c10::impl::TorchDispatchModeTLS::stack_len() > 0 ||
+        at::getStepCallbacksUnlessEmpty(at::RecordScope::FUNCTION).has_value()) {
+      return false;
+    }
+    c10::DispatchKeySet keys;
+    for (const auto* l : {&saved, &grads}) {
+      for (const at::Tensor& t : *l) {
+        if (!t.defined()) continue;
+        if (t._fw_grad(/*level=*/0).defined()) return false;
+        keys = keys | t.key_set();
+      }
+    }
+    // BackendSelect is always included and falls through for `_bwd`.
+    const c10::impl::LocalDispatchKeySet tls = c10::impl::tls_local_dispatch_key_set();
+    keys = ((keys | tls.included_) - tls.excluded_) -
+        c10::autograd_dispatch_keyset_with_ADInplaceOrView -
+        c10::DispatchKeySet(c10::DispatchKey::BackendSelect);
+    const c10::DispatchKey key = keys.highestPriorityTypeId();
+    return c10::isIncludedInAlias(key, c10::DispatchKey::CompositeExplicitAutograd) &&
+        !op_->backward_op().hasKernelForDispatchKey(key);
+  }
+
+  // `_bwd`'s result as the gradients of the next edges.
+  variable_list to_edges(std::vector<at::Tensor> result) const {
+    TORCH_CHECK(result.size() == num_slots_, op_->qualified_name(),
+                ": the backward returned ", result.size(),
+                " gradients, but the forward takes ", num_slots_,
+                num_slots_ == op_->num_arguments() ? " arguments" : " arguments and list elements",
+                ". Return one gradient (or None) per forward argument.");
+    variable_list out(edge_args_.size());
+    for (size_t e = 0; e < edge_args_.size(); ++e) out[e] = std::move(result[edge_args_[e]]);
+    return out;
+  }
+
+  // `ns::Name_bwd` called through the dispatcher.
+  std::vector<at::Tensor> dispatch(const std::vector<at::Tensor>& saved_tensors,
+                                   const variable_list& grads) {
+    auto optional_list = [](const std::vector<at::Tensor>& ts) {
+      c10::List<std::optional<at::Tensor>> l;
+      l.reserve(ts.size());
+      for (const at::Tensor& t : ts) {
+        l.push_back(t.defined() ? std::optional<at::Tensor>(t) : std::nullopt);
+      }
+      return l;
+    };
+    c10::List<std::optional<at::Tensor>> saved_list = optional_list(saved_tensors);
+    c10::List<std::optional<at::Tensor>> grad_list = optional_list(grads);
     c10::List<bool> needs;
     needs.reserve(needs_input_grad_.size());
     for (bool b : needs_input_grad_) needs.push_back(b);
@@ -87,11 +143,7 @@ class OpaqueBackward final : public Node {
     std::string state = state_;
     std::vector<c10::SymInt> state_ints = state_ints_;
     if (eager && !plain_call(saved_list, grad_list)) {
-      std::vector<at::Tensor> all;
-      for (size_t i = 0; i < saved_list.size(); ++i) {
-        std::optional<at::Tensor> t = saved_list.get(i);
-        all.push_back(t.has_value() ? *t : at::Tensor());
-      }
+      std::vector<at::Tensor> all = saved_tensors;
       const size_t n_saved = all.size();
       eager->encode(state, state_ints, all);
       for (size_t i = n_saved; i < all.size(); ++i) saved_list.push_back(all[i]);
@@ -132,18 +184,12 @@ class OpaqueBackward final : public Node {
       op_->backward_op().callBoxed(stack);
     }
     TORCH_INTERNAL_ASSERT(stack.size() == 1);
-    auto result = stack.back().toOptionalTensorList();
-    TORCH_CHECK(result.size() == num_slots_, op_->qualified_name(),
-                ": the backward returned ", result.size(),
-                " gradients, but the forward takes ", num_slots_,
-                num_slots_ == op_->num_arguments() ? " arguments" : " arguments and list elements",
-                ". Return one gradient (or None) per forward argument.");
-    variable_list out(edge_args_.size());
-    for (size_t e = 0; e < edge_args_.size(); ++e) {
-      std::optional<at::Tensor> g = result.get(edge_args_[e]);
-      if (g.has_value()) out[e] = std::move(*g);
+    std::vector<at::Tensor> result;
+    for (const auto& g : stack.back().toOptionalTensorList()) {
+      std::optional<at::Tensor> t = g;
+      result.push_back(t.has_value() ? std::move(*t) : at::Tensor());
     }
-    return out;
+    return result;
   }
 
   // Whether a tensor carries a forward gradient: then `_bwd`'s Autograd

@@ -178,22 +178,36 @@ BackwardArgs pop_backward_args(torch::jit::Stack* stack) {
   return a;
 }
 
-std::pair<Context, std::vector<at::Tensor>> start_backward(const c10::FunctionSchema& bwd_schema,
-                                                           torch::jit::Stack* stack) {
-  BackwardArgs a = pop_backward_args(stack);
-  Context ctx(std::move(a.needs_input_grad));
-  ctx.set_saved_tensors(std::move(a.saved));
-  if (const auto* eager = dynamic_cast<const SavedDataState*>(current_eager_state(bwd_schema))) {
-    ctx.saved_data = eager->data();  // a copy: the node may run its backward again
-  } else {
-    ctx.saved_data = decode_saved_data(a.state, a.state_ints);
-  }
-  return {std::move(ctx), std::move(a.grads)};
+BoxedKernel boxed_backward(DirectBackward direct) {
+  return [direct = std::move(direct)](const c10::FunctionSchema& schema,
+                                      torch::jit::Stack* stack) {
+    const EagerState* eager = current_eager_state(schema);
+    std::vector<at::Tensor> grads = direct(pop_backward_args(stack), eager);
+    c10::List<std::optional<at::Tensor>> out;
+    out.reserve(grads.size());
+    for (at::Tensor& g : grads) {
+      out.push_back(g.defined() ? std::optional<at::Tensor>(std::move(g)) : std::nullopt);
+    }
+    stack->emplace_back(std::move(out));
+  };
 }
 
-void finish_backward(const std::string& op_name, const std::vector<bool>& tensor_args,
-                     std::vector<at::Tensor> grads, c10::ArrayRef<at::Tensor> saved,
-                     c10::ArrayRef<at::Tensor> grad_outputs, torch::jit::Stack* stack) {
+Context backward_context(BackwardArgs& args, const EagerState* eager) {
+  Context ctx(std::move(args.needs_input_grad));
+  ctx.set_saved_tensors(std::move(args.saved));
+  if (const auto* saved_data = dynamic_cast<const SavedDataState*>(eager)) {
+    ctx.saved_data = saved_data->data();  // a copy: the node may run its backward again
+  } else {
+    ctx.saved_data = decode_saved_data(args.state, args.state_ints);
+  }
+  return ctx;
+}
+
+std::vector<at::Tensor> finish_backward(const std::string& op_name,
+                                        const std::vector<bool>& tensor_args,
+                                        std::vector<at::Tensor> grads,
+                                        c10::ArrayRef<at::Tensor> saved,
+                                        c10::ArrayRef<at::Tensor> grad_outputs) {
   const size_t n = tensor_args.size();
   if (grads.size() > n) {
     for (size_t i = n; i < grads.size(); ++i) {
@@ -206,19 +220,14 @@ void finish_backward(const std::string& op_name, const std::vector<bool>& tensor
               " gradients, but forward takes ", n,
               " arguments. Return one gradient (an undefined at::Tensor() for none) per "
               "forward argument.");
-  c10::List<std::optional<at::Tensor>> out;
   for (size_t i = 0; i < n; ++i) {
-    at::Tensor g = grads[i];
-    if (!g.defined()) {
-      out.push_back(std::nullopt);
-      continue;
-    }
+    at::Tensor& g = grads[i];
+    if (!g.defined()) continue;
     TORCH_CHECK(tensor_args[i], op_name, ": backward returned a gradient for argument ", i,
                 ", which is not a Tensor. Return an undefined at::Tensor() there.");
     if (aliases_any(g, saved) || aliases_any(g, grad_outputs)) g = g.clone();
-    out.push_back(g);
   }
-  stack->emplace_back(std::move(out));
+  return grads;
 }
 
 namespace {

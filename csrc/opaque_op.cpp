@@ -1,3 +1,4 @@
+#include <torch_opaque/detail/finishers.h>
 #include <torch_opaque/fake_checks.h>
 #include <torch_opaque/opaque_op.h>
 
@@ -248,8 +249,9 @@ std::shared_ptr<OpaqueOp> define_op(OpDefinition def) {
               "' is not a valid identifier; use letters, digits and '_'.");
   TORCH_CHECK(!def.returns.empty(), "torch_opaque: ", qual,
               " must return at least one tensor.");
-  TORCH_CHECK(def.forward && def.backward, "torch_opaque: ", qual,
+  TORCH_CHECK(def.forward && (def.backward || def.direct_backward), "torch_opaque: ", qual,
               " needs both a forward and a backward kernel.");
+  if (!def.backward) def.backward = detail::boxed_backward(def.direct_backward);
   TORCH_CHECK(def.arguments.find(" needs_input_grad") == std::string::npos, "torch_opaque: ",
               qual, " has an argument named 'needs_input_grad', which `", def.name,
               "_fwd` uses itself; rename the argument.");

@@ -84,7 +84,7 @@ PYBIND11_MODULE(_C, m) {
         def.arguments = std::move(arguments);
         def.returns = std::move(returns);
         def.forward = make_python_forward(std::move(forward));
-        def.backward = make_python_backward(std::move(backward));
+        def.direct_backward = make_python_backward(std::move(backward));
         def.dirty = std::move(dirty);
         return define_op(std::move(def));
       },

@@ -29,8 +29,9 @@ namespace torch_opaque::python {
 // The `_fwd` kernel (also the op's inference kernel) of kernels.Runner `runner`.
 BoxedKernel make_python_forward(pybind11::object runner);
 
-// The `_bwd` kernel of kernels.BackwardRunner `runner`.
-BoxedKernel make_python_backward(pybind11::object runner);
+// The `_bwd` kernel of kernels.BackwardRunner `runner` (Note [Direct backward]
+// in opaque_op.h).
+DirectBackward make_python_backward(pybind11::object runner);
 
 // The same forward for Python callers that trace it (fake kernels, graph
 // passes, stored programs): `forward` / `setup` replace the runner's (e.g. to

@@ -153,25 +153,27 @@ BoxedKernel forward_kernel(Fn fn, std::string op_name) {
   };
 }
 
+// Op::backward as `_bwd`'s kernel (Note [Direct backward] in opaque_op.h).
 template <class Op, bool HasLists>
-BoxedKernel backward_kernel(std::string op_name, std::vector<bool> tensor_args,
-                            std::vector<bool> list_args) {
-  return [op_name, tensor_args, list_args](const c10::FunctionSchema& schema,
-                                          torch::jit::Stack* stack) {
-    auto [ctx, grads] = start_backward(schema, stack);
+DirectBackward backward_kernel(std::string op_name, std::vector<bool> tensor_args,
+                               std::vector<bool> list_args) {
+  return [op_name, tensor_args, list_args](BackwardArgs args,
+                                          const EagerState* eager) -> std::vector<at::Tensor> {
+    Context ctx = backward_context(args, eager);
     std::vector<int64_t> list_sizes;
     if constexpr (HasLists) list_sizes = take_list_sizes(ctx);
-    c10::SmallVector<at::Tensor, 4> grad_outputs(grads.begin(), grads.end());
-    auto result = Op::backward(ctx, std::move(grads));
+    c10::SmallVector<at::Tensor, 4> grad_outputs(args.grads.begin(), args.grads.end());
+    auto result = Op::backward(ctx, std::move(args.grads));
     if constexpr (!HasLists && std::is_convertible_v<decltype(result), std::vector<at::Tensor>>) {
       // One gradient per argument already: nothing to flatten.
-      finish_backward(op_name, tensor_args, std::vector<at::Tensor>(std::move(result)),
-                      ctx.saved_tensors(), grad_outputs, stack);
+      return finish_backward(op_name, tensor_args, std::vector<at::Tensor>(std::move(result)),
+                             ctx.saved_tensors(), grad_outputs);
     } else {
       std::vector<bool> slots = tensor_args;
       std::vector<at::Tensor> flat = flatten_gradients(
           op_name, list_args, list_sizes, to_gradients(std::move(result)), &slots);
-      finish_backward(op_name, slots, std::move(flat), ctx.saved_tensors(), grad_outputs, stack);
+      return finish_backward(op_name, slots, std::move(flat), ctx.saved_tensors(),
+                             grad_outputs);
     }
   };
 }
@@ -229,7 +231,7 @@ std::shared_ptr<OpaqueOp> def(const std::string& qualified_name,
     for (size_t k = 0; k < n_out; ++k) d.returns[k] += std::string(" ") + Op::output_names[k];
   }
   d.forward = detail::forward_kernel(&Op::forward, qualified_name);
-  d.backward = detail::backward_kernel<
+  d.direct_backward = detail::backward_kernel<
       Op, detail::any_tensor_list<Args>(std::make_index_sequence<n>{})>(
       qualified_name, detail::tensor_arguments<Args>(std::make_index_sequence<n>{}),
       detail::tensor_list_arguments<Args>(std::make_index_sequence<n>{}));

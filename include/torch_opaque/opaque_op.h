@@ -37,6 +37,36 @@ namespace torch_opaque {
 using BoxedKernel =
     std::function<void(const c10::FunctionSchema& schema, torch::jit::Stack* stack)>;
 
+// The arguments of `ns::Name_bwd(Tensor?[] saved, Tensor?[] grads,
+// bool[] needs_input_grad, str state, SymInt[] state_ints)`; undefined
+// tensors stand for None.
+struct BackwardArgs {
+  std::vector<at::Tensor> saved;
+  std::vector<at::Tensor> grads;
+  std::vector<bool> needs_input_grad;
+  std::string state;
+  std::vector<c10::SymInt> state_ints;
+};
+
+// Note [Direct backward]
+// A backward kernel as a plain function: it takes `_bwd`'s arguments and the
+// eager state its node passed (Note [Eager context state]; nullptr when the
+// state is in `args.state`), and returns `_bwd`'s result, one gradient per
+// result slot (undefined for None). The backward node calls it without the
+// dispatcher when a boxed `_bwd` call would reach it anyway: grad mode off,
+// no forward gradients, no profiler (RecordFunction) callbacks, no Python
+// dispatch mode, and the dispatch key the call would take (the tensors' keys
+// with the thread's included keys, less the excluded and the autograd ones)
+// a backend key that `_bwd` has no kernel of its own for, so that the
+// CompositeExplicitAutograd kernel runs. That skips building c10::Lists and
+// a stack, the dispatcher, and the boxed kernel's unpacking and packing
+// (issues #11 and #16). Everything else (create_graph, torch.func levels,
+// fake, functional or subclass tensors, dispatch modes, meta tensors with a
+// fake kernel, the profiler) still calls `ns::Name_bwd` through the
+// dispatcher, so traced graphs and profiles show it.
+using DirectBackward =
+    std::function<std::vector<at::Tensor>(BackwardArgs args, const EagerState* eager)>;
+
 struct OpDefinition {
   std::string ns;        // e.g. "opaque"
   std::string name;      // e.g. "Foo"
@@ -50,7 +80,11 @@ struct OpDefinition {
   // set_forward_record.
   BoxedKernel forward;
   // Arguments of `ns::Name_bwd`; returns one Tensor? per forward argument.
+  // May be left empty when direct_backward is given: define_op derives it.
   BoxedKernel backward;
+  // Optional: the same backward as a plain function (Note [Direct backward]),
+  // which the backward node calls in eager mode.
+  DirectBackward direct_backward;
   // Optional: a forward for meta tensors (same contract as `forward`),
   // registered on the Meta key of `ns::Name` and `ns::Name_fwd`. Without it
   // the CompositeExplicitAutograd kernels serve meta tensors too.

@@ -7,6 +7,7 @@
 #include <torch_opaque/context.h>
 #include <torch_opaque/forward_record.h>
 #include <torch_opaque/gradient.h>
+#include <torch_opaque/opaque_op.h>
 
 #include <ATen/core/stack.h>
 
@@ -47,31 +48,28 @@ void finish_forward(const std::string& op_name, Context& ctx,
                     std::vector<at::Tensor> outputs, bool recording,
                     torch::jit::Stack* stack, bool list_output = false);
 
-// The arguments of `ns::Name_bwd(Tensor?[] saved, Tensor?[] grads,
-// bool[] needs_input_grad, str state, SymInt[] state_ints)`; undefined
-// tensors stand for None.
-struct BackwardArgs {
-  std::vector<at::Tensor> saved;
-  std::vector<at::Tensor> grads;
-  std::vector<bool> needs_input_grad;
-  std::string state;
-  std::vector<c10::SymInt> state_ints;
-};
+// Pops the `_bwd` arguments (BackwardArgs, opaque_op.h).
 BackwardArgs pop_backward_args(torch::jit::Stack* stack);
 
-// Pops the `_bwd` arguments; returns the Context (saved tensors, saved_data,
-// needs_input_grad) and the output gradients. saved_data is the forward's own
-// map when the node passed it (Note [Eager context state]), else decoded from
-// `state`.
-std::pair<Context, std::vector<at::Tensor>> start_backward(const c10::FunctionSchema& bwd_schema,
-                                                           torch::jit::Stack* stack);
+// The boxed `_bwd` kernel of a DirectBackward (Note [Direct backward]): pops
+// the arguments, calls it with the eager state the node passed for `schema`'s
+// op, pushes the result as one Tensor?[].
+BoxedKernel boxed_backward(DirectBackward direct);
 
-// Pushes the gradients as the `_bwd` result after checking them against the
+// The Context (saved tensors, saved_data, needs_input_grad) of a backward
+// call; `args.saved` and `args.needs_input_grad` are moved into it.
+// saved_data is the forward's own map when the node passed it (`eager`: Note
+// [Eager context state]), else decoded from `args.state`.
+Context backward_context(BackwardArgs& args, const EagerState* eager);
+
+// The gradients as the `_bwd` result, after checking them against the
 // forward arguments (`tensor_args[i]`: whether argument i is a tensor);
 // gradients that alias a saved tensor or an output gradient are copied.
-void finish_backward(const std::string& op_name, const std::vector<bool>& tensor_args,
-                     std::vector<at::Tensor> grads, c10::ArrayRef<at::Tensor> saved,
-                     c10::ArrayRef<at::Tensor> grad_outputs, torch::jit::Stack* stack);
+std::vector<at::Tensor> finish_backward(const std::string& op_name,
+                                        const std::vector<bool>& tensor_args,
+                                        std::vector<at::Tensor> grads,
+                                        c10::ArrayRef<at::Tensor> saved,
+                                        c10::ArrayRef<at::Tensor> grad_outputs);
 
 // Note [Tensor-list gradients]
 // A C++ op differentiates the elements of its Tensor[] arguments (as
