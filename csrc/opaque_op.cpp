@@ -3,6 +3,7 @@
 
 #include "autograd_kernel.h"
 #include "in_place.h"
+#include "per_sample_batching.h"
 
 #include <ATen/core/op_registration/op_registration.h>
 #include <ATen/ops/empty_strided.h>
@@ -254,7 +255,13 @@ std::shared_ptr<OpaqueOp> define_op(OpDefinition def) {
               qual, " has an argument named 'needs_input_grad', which `", def.name,
               "_fwd` uses itself; rename the argument.");
   auto& dispatcher = c10::Dispatcher::singleton();
-  for (const char* suffix : {"", "_fwd", "_bwd"}) {
+  TORCH_CHECK(!def.jvp || def.arguments.find(" tangents") == std::string::npos,
+              "torch_opaque: ", qual, " has an argument named 'tangents', which `", def.name,
+              "_jvp` uses itself; rename the argument.");
+  TORCH_CHECK(!def.per_sample_batching || def.dirty.empty(), "torch_opaque: ", qual,
+              ": per-sample batching of in-place ops is not supported.");
+  for (const char* suffix : {"", "_fwd", "_bwd", "_jvp"}) {
+    if (!def.jvp && std::string(suffix) == "_jvp") continue;
     TORCH_CHECK(!dispatcher.findSchema({def.ns + "::" + def.name + suffix, def.overload}),
                 "torch_opaque: ", def.ns, "::", with_overload(def.name + suffix, def.overload),
                 " is already defined. Pick another name (or overload), or reuse the "
@@ -274,6 +281,19 @@ std::shared_ptr<OpaqueOp> define_op(OpDefinition def) {
       "(Tensor?[] saved, Tensor?[] grads, bool[] needs_input_grad, str state, "
       "SymInt[] state_ints) -> Tensor?[]";
 
+  // Note [C++ jvp] (detail/jvp_finisher.h): the schema Python Functions'
+  // `Name_jvp` has (torch_opaque/_impl/forward_ad.py), plain return types.
+  std::string jvp_schema;
+  if (def.jvp) {
+    jvp_schema = with_overload(def.name + "_jvp", def.overload) + "(" + def.arguments +
+        (def.arguments.empty() ? "" : ", ") + "Tensor?[] tangents) -> (";
+    for (size_t k = 0; k < def.returns.size(); ++k) {
+      const std::string& r = def.returns[k];
+      jvp_schema += r.substr(0, r.find(' ')) + ", ";
+    }
+    jvp_schema += "Tensor[])";
+  }
+
   auto lib = std::make_unique<torch::Library>(torch::Library::FRAGMENT, def.ns,
                                               std::nullopt, __FILE__, __LINE__);
   const std::vector<at::Tag> tags = {at::Tag::pt2_compliant_tag};
@@ -291,6 +311,7 @@ std::shared_ptr<OpaqueOp> define_op(OpDefinition def) {
     }
     lib->def(fwd_schema.c_str(), tags);
     lib->def(bwd_schema.c_str(), tags);
+    if (def.jvp) lib->def(jvp_schema.c_str(), tags);
   } catch (const std::exception& e) {
     // The schema parser throws torch::jit::ErrorReport, not c10::Error.
     TORCH_CHECK(false, "torch_opaque: cannot define ", qual, " with schema '",
@@ -341,6 +362,21 @@ std::shared_ptr<OpaqueOp> define_op(OpDefinition def) {
             torch::dispatch(c10::DispatchKey::Autograd,
                             torch::CppFunction::makeFromBoxedFunctor(
                                 std::make_unique<detail::BackwardAutogradKernel>())));
+  if (def.jvp) {
+    lib->impl(with_overload(def.name + "_jvp", def.overload).c_str(),
+              torch::dispatch(c10::DispatchKey::CompositeExplicitAutograd,
+                              torch::CppFunction::makeFromBoxedFunctor(
+                                  std::make_unique<UserKernel>(def.jvp))));
+  }
+  if (def.per_sample_batching) {  // Note [Per-sample batching]
+    for (const char* suffix : {"", "_fwd", "_bwd", "_jvp"}) {
+      if (!def.jvp && std::string(suffix) == "_jvp") continue;
+      lib->impl(with_overload(def.name + suffix, def.overload).c_str(),
+                torch::dispatch(c10::DispatchKey::FuncTorchBatched,
+                                torch::CppFunction::makeFromBoxedFunction<
+                                    &detail::per_sample_kernel>()));
+    }
+  }
   op->keep_alive(std::move(lib));
   all_ops().push_back(op);
   return op;

@@ -1,0 +1,171 @@
+"""torch.func transforms on ops written in C++ (examples/cpp): forward-mode AD
+through an op's `jvp` (Note [C++ jvp] in include/torch_opaque/detail/jvp_finisher.h)
+and vmap through the per-sample batching kernel (Note [Per-sample batching]
+in csrc/per_sample_batching.cpp). References are the same ops written with
+ATen ops, and finite differences (gradcheck).
+"""
+
+import pytest
+import torch
+import torch.autograd.forward_ad as fwAD
+from torch.func import grad, jacfwd, jacrev, jvp, vmap
+
+pytestmark = pytest.mark.usefixtures("example_ops")
+
+def polar(r, theta):
+    return torch.ops.example.polar(r, theta)
+
+
+def polar_ref(r, theta):
+    return r * theta.cos(), r * theta.sin()
+
+
+def scaled_sin(x):
+    return torch.ops.example.scaled_sin(x, 1.5)
+
+
+def scaled_sin_ref(x):
+    return x.sin() * 1.5
+
+
+def rand(*shape):
+    return torch.randn(*shape, dtype=torch.double)
+
+
+# ---- forward-mode AD ----------------------------------------------------------
+
+
+def test_jvp_op_schema():
+    assert str(torch.ops.example.polar_jvp.default._schema) == (
+        "example::polar_jvp(Tensor r, Tensor theta, Tensor?[] tangents) -> (Tensor, Tensor, Tensor[])"
+    )
+    with pytest.raises(RuntimeError):  # an op without jvp gets no `_jvp`
+        torch._C._get_schema("example::scaled_sin_jvp", "")
+
+
+def test_func_jvp_matches_aten_reference():
+    r, th, tr, tth = rand(3, 4), rand(3, 4), rand(3, 4), rand(3, 4)
+    out, tangents = jvp(polar, (r, th), (tr, tth))
+    ref_out, ref_tangents = jvp(polar_ref, (r, th), (tr, tth))
+    torch.testing.assert_close(out, ref_out)
+    torch.testing.assert_close(tangents, ref_tangents)
+
+
+def test_dual_tensors_with_a_tangent_on_one_argument():
+    r, th, tth = rand(5), rand(5), rand(5)
+    with fwAD.dual_level():
+        x, y = polar(r, fwAD.make_dual(th, tth))
+        tx, ty = fwAD.unpack_dual(x).tangent, fwAD.unpack_dual(y).tangent
+    with fwAD.dual_level():
+        xr, yr = polar_ref(r, fwAD.make_dual(th, tth))
+        txr, tyr = fwAD.unpack_dual(xr).tangent, fwAD.unpack_dual(yr).tangent
+    torch.testing.assert_close((x, y), (xr, yr))
+    torch.testing.assert_close((tx, ty), (txr, tyr))
+
+
+def test_forward_ad_equals_finite_differences():
+    r = rand(4).requires_grad_()
+    th = rand(4).requires_grad_()
+    assert torch.autograd.gradcheck(polar, (r, th), check_forward_ad=True)
+
+
+def test_forward_and_reverse_mode_together():
+    """A dual tensor that also requires grad: the tangents come from `_jvp`,
+    the gradients from `_fwd`/`_bwd`."""
+    r, th = rand(3).requires_grad_(), rand(3).requires_grad_()
+    tr = rand(3)
+    with fwAD.dual_level():
+        x, y = polar(fwAD.make_dual(r, tr), th)
+        tx = fwAD.unpack_dual(x).tangent
+    torch.testing.assert_close(tx, tr * th.detach().cos())
+    (x + y).sum().backward()
+    torch.testing.assert_close(r.grad, (th.cos() + th.sin()).detach())
+    torch.testing.assert_close(th.grad, (r * (th.cos() - th.sin())).detach())
+
+
+def test_jacfwd_equals_jacrev_of_the_reference():
+    r, th = rand(4), rand(4)
+    for argnums in (0, 1):
+        got = jacfwd(polar, argnums=argnums)(r, th)
+        ref = jacrev(polar_ref, argnums=argnums)(r, th)
+        torch.testing.assert_close(got, ref)
+
+
+def test_op_without_jvp_raises_torchs_error():
+    x, t = rand(3), rand(3)
+    with pytest.raises(NotImplementedError, match="You must implement the jvp function"):
+        jvp(scaled_sin, (x,), (t,))
+    with fwAD.dual_level():
+        with pytest.raises(NotImplementedError, match="You must implement the jvp function"):
+            scaled_sin(fwAD.make_dual(x, t))
+
+
+# ---- vmap -----------------------------------------------------------------------
+
+
+def test_vmap_matches_aten_reference():
+    x = rand(3, 5, 2)
+    for in_dims in (0, 1, 2):
+        torch.testing.assert_close(vmap(scaled_sin, in_dims)(x), vmap(scaled_sin_ref, in_dims)(x))
+    r, th = rand(4, 3), rand(3)
+    got = vmap(polar, in_dims=(0, None))(r, th)
+    torch.testing.assert_close(got, polar_ref(r, th.expand(4, 3)))
+
+
+def test_vmap_of_two_outputs_and_int_outputs():
+    x = rand(6, 3, 4)
+    values, idx = vmap(lambda t: torch.ops.example.top_value(t, 1))(x)
+    ref = x.max(2)
+    torch.testing.assert_close(values, ref.values)
+    assert torch.equal(idx, ref.indices)
+
+
+def test_vmap_of_a_data_ptr_kernel():
+    x = torch.randn(4, 5)
+    torch.testing.assert_close(vmap(torch.ops.example.square_loop)(x), x * x)
+
+
+def test_vmap_of_tensor_list_ops():
+    xs = [rand(3, 4) for _ in range(2)]
+    w = rand(2)
+    got = vmap(lambda a, b: torch.ops.example.weighted_sum([a, b], w))(*xs)
+    torch.testing.assert_close(got, xs[0] * w[0] + xs[1] * w[1])
+    x = rand(3, 5)
+    means = vmap(lambda t: torch.ops.example.power_means(t, [1, 2]))(x)
+    torch.testing.assert_close(means, [x.mean(-1), (x * x).mean(-1)])
+
+
+def test_jacrev_matches_aten_reference():
+    x = rand(5)
+    torch.testing.assert_close(jacrev(scaled_sin)(x), jacrev(scaled_sin_ref)(x))
+    r, th = rand(3), rand(3)
+    torch.testing.assert_close(jacrev(polar, argnums=(0, 1))(r, th), jacrev(polar_ref, argnums=(0, 1))(r, th))
+    x = rand(2, 4)
+    got = jacrev(lambda t: torch.ops.example.top_value(t, 1)[0])(x)
+    ref = jacrev(lambda t: t.max(1).values)(x)
+    torch.testing.assert_close(got, ref)
+
+
+def test_vmap_of_grad_matches_aten_reference():
+    x = rand(4, 3)
+    got = vmap(grad(lambda t: scaled_sin(t).sum()))(x)
+    ref = vmap(grad(lambda t: scaled_sin_ref(t).sum()))(x)
+    torch.testing.assert_close(got, ref)
+    r, th = rand(4, 3), rand(4, 3)
+    f = lambda fn: vmap(grad(lambda a, b: sum(o.pow(2).sum() for o in fn(a, b)), argnums=(0, 1)))
+    torch.testing.assert_close(f(polar)(r, th), f(polar_ref)(r, th))
+
+
+def test_vmap_of_jvp():
+    r, th, tr, tth = rand(3, 2), rand(3, 2), rand(3, 2), rand(3, 2)
+    got = vmap(lambda *a: jvp(polar, a[:2], a[2:]))(r, th, tr, tth)
+    ref = vmap(lambda *a: jvp(polar_ref, a[:2], a[2:]))(r, th, tr, tth)
+    torch.testing.assert_close(got, ref)
+
+
+def test_hessian_of_an_op_with_jvp():
+    r, th = rand(3), rand(3)
+    f = lambda fn: (lambda a, b: fn(a, b)[0].sum() + fn(a, b)[1].pow(2).sum())
+    torch.testing.assert_close(
+        torch.func.hessian(f(polar), argnums=1)(r, th), torch.func.hessian(f(polar_ref), argnums=1)(r, th)
+    )
