@@ -12,15 +12,17 @@ struct Polar {
   static std::tuple<at::Tensor, at::Tensor> forward(torch_opaque::Context& ctx,
                                                    const at::Tensor& r,
                                                    const at::Tensor& theta) {
-    at::Tensor c = at::cos(theta), s = at::sin(theta);
-    ctx.save_for_backward({r, c, s});   // what backward reads
-    ctx.save_for_forward({r, c, s});    // what jvp reads
-    return {r * c, r * s};
+    // Inputs rather than cos/sin: under hessian (jacfwd of jacrev) the
+    // backward is differentiated in forward mode, where a saved intermediate
+    // counts as a constant (as in a Python autograd.Function).
+    ctx.save_for_backward({r, theta});  // what backward reads
+    ctx.save_for_forward({r, theta});   // what jvp reads
+    return {r * at::cos(theta), r * at::sin(theta)};
   }
   static std::vector<at::Tensor> backward(torch_opaque::Context& ctx,
                                           std::vector<at::Tensor> grads) {
-    const auto& saved = ctx.saved_tensors();
-    const at::Tensor &r = saved[0], &c = saved[1], &s = saved[2];
+    const at::Tensor& r = ctx.saved_tensors()[0];
+    at::Tensor c = at::cos(ctx.saved_tensors()[1]), s = at::sin(ctx.saved_tensors()[1]);
     const at::Tensor &gx = grads[0], &gy = grads[1];
     return {gx * c + gy * s, (gy * c - gx * s) * r};
   }
@@ -28,8 +30,8 @@ struct Polar {
   // none), one per output out.
   static std::vector<at::Tensor> jvp(torch_opaque::Context& ctx,
                                      std::vector<at::Tensor> tangents) {
-    const auto& saved = ctx.saved_tensors();
-    const at::Tensor &r = saved[0], &c = saved[1], &s = saved[2];
+    const at::Tensor& r = ctx.saved_tensors()[0];
+    at::Tensor c = at::cos(ctx.saved_tensors()[1]), s = at::sin(ctx.saved_tensors()[1]);
     at::Tensor tx = at::zeros_like(r * c), ty = at::zeros_like(r * c);
     if (tangents[0].defined()) {
       tx = tx + tangents[0] * c;
