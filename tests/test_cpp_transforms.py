@@ -169,3 +169,36 @@ def test_hessian_of_an_op_with_jvp():
     torch.testing.assert_close(
         torch.func.hessian(f(polar), argnums=1)(r, th), torch.func.hessian(f(polar_ref), argnums=1)(r, th)
     )
+
+
+# ---- error cases (tests/cpp/transform_test_ops.cpp) ------------------------------
+
+
+@pytest.fixture(scope="module")
+def transform_test_ops():
+    import pathlib
+
+    import torch_opaque
+
+    lib = pathlib.Path(__file__).resolve().parents[1] / "build" / "tests" / "cpp" / "libtransform_test_ops.so"
+    assert lib.exists(), f"{lib} is missing: run scripts/dev.sh build first"
+    torch_opaque.load_library(lib)
+    return torch.ops.opaque_transform_test
+
+
+def test_vmap_of_grad_refuses_per_sample_state_that_differs(transform_test_ops):
+    x = torch.tensor([[1.0, 2.0], [3.0, 5.0]])
+    # Without a backward, nothing is recorded: plain vmap works.
+    torch.testing.assert_close(vmap(transform_test_ops.scale_by_max)(x), x * x.max(1, keepdim=True).values)
+    # A gradient per sample: each sample's forward keeps its own max in saved_data.
+    with pytest.raises(RuntimeError, match="left different ctx state or saved tensors for different samples"):
+        vmap(grad(lambda t: transform_test_ops.scale_by_max(t).sum()))(x)
+    # The same state in every sample is fine.
+    y = torch.tensor([[1.0, 5.0], [5.0, 2.0]])
+    torch.testing.assert_close(vmap(grad(lambda t: transform_test_ops.scale_by_max(t).sum()))(y), torch.full_like(y, 5.0))
+
+
+def test_jvp_tangent_of_the_wrong_shape_is_a_clear_error(transform_test_ops):
+    x = torch.randn(3)
+    with pytest.raises(RuntimeError, match=r"jvp returned a tangent of shape \[\] for output 0 of shape \[3\]"):
+        jvp(transform_test_ops.wrong_tangent_shape, (x,), (torch.randn(3),))
