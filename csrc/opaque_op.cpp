@@ -376,6 +376,19 @@ std::shared_ptr<OpaqueOp> define_op(OpDefinition def) {
                                 torch::CppFunction::makeFromBoxedFunction<
                                     &detail::per_sample_kernel>()));
     }
+    // torch's older vmap (the Batched key: autograd.grad(..., is_grads_batched=True),
+    // jacobian(vectorize=True)) runs the user's backward and jvp on its batched
+    // tensors, as it does a stock Function's.
+    lib->impl(with_overload(def.name + "_bwd", def.overload).c_str(),
+              torch::dispatch(c10::DispatchKey::Batched,
+                              torch::CppFunction::makeFromBoxedFunctor(
+                                  std::make_unique<UserKernel>(def.backward))));
+    if (def.jvp) {
+      lib->impl(with_overload(def.name + "_jvp", def.overload).c_str(),
+                torch::dispatch(c10::DispatchKey::Batched,
+                                torch::CppFunction::makeFromBoxedFunctor(
+                                    std::make_unique<UserKernel>(def.jvp))));
+    }
   }
   op->keep_alive(std::move(lib));
   all_ops().push_back(op);

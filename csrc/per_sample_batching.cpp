@@ -31,8 +31,11 @@ namespace torch_opaque::detail {
 // (an undefined gradient of `_bwd`) in some samples but not others becomes
 // zeros. Torch's own batching rules run inside the user's code for each
 // sample, so the kernels need no batched variant; the cost is one call per
-// sample. The Python front end registers its own rules
-// (torch_opaque/_impl/batching.py).
+// sample. torch's older vmap (the Batched key, used by
+// autograd.grad(..., is_grads_batched=True) and jacobian(vectorize=True))
+// gets the user's backward and jvp kernels themselves on `_bwd` and `_jvp`
+// (define_op), which run on its batched tensors as a stock Function's do.
+// The Python front end registers its own rules (torch_opaque/_impl/batching.py).
 // The level unwrapped is the highest level of a batched argument (read from
 // the tensors: functorch's DynamicLayer.h, which tells the current level,
 // cannot be included without nlohmann/json). It is the current vmap level

@@ -171,6 +171,38 @@ def test_hessian_of_an_op_with_jvp():
     )
 
 
+def test_is_grads_batched_and_vectorized_jacobian():
+    """torch's older vmap (the Batched key) runs the C++ backward and jvp on its
+    batched tensors."""
+    x = rand(3, 4).requires_grad_()
+    eye = torch.eye(12, dtype=torch.double).reshape(12, 3, 4)
+    (g,) = torch.autograd.grad(scaled_sin(x), x, eye, is_grads_batched=True)
+    torch.testing.assert_close(g, eye * x.detach().cos() * 1.5)
+    t = x.detach()
+    ref = torch.autograd.functional.jacobian(lambda a: a * a.cos(), t)
+    for strategy in ("reverse-mode", "forward-mode"):
+        got = torch.autograd.functional.jacobian(
+            lambda a: polar(a, a)[0], t, vectorize=True, strategy=strategy
+        )
+        torch.testing.assert_close(got, ref)
+
+
+def test_compiled_jvp_and_vmap():
+    r, th = rand(4), rand(4)
+    ones = torch.ones_like(r)
+
+    def f(fn):
+        return lambda a, b: jvp(fn, (a, b), (ones, ones))
+
+    torch.testing.assert_close(
+        torch.compile(f(polar), backend="aot_eager", fullgraph=True)(r, th), f(polar_ref)(r, th)
+    )
+    x = rand(3, 4)
+    torch.testing.assert_close(
+        torch.compile(vmap(scaled_sin), backend="aot_eager", fullgraph=True)(x), scaled_sin_ref(x)
+    )
+
+
 # ---- error cases (tests/cpp/transform_test_ops.cpp) ------------------------------
 
 
