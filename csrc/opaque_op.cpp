@@ -258,6 +258,10 @@ std::shared_ptr<OpaqueOp> define_op(OpDefinition def) {
   TORCH_CHECK(!def.jvp || def.arguments.find(" tangents") == std::string::npos,
               "torch_opaque: ", qual, " has an argument named 'tangents', which `", def.name,
               "_jvp` uses itself; rename the argument.");
+  for (const std::string& r : def.returns) {
+    TORCH_CHECK(!def.jvp || r.rfind("Tensor[]", 0) != 0, "torch_opaque: ", qual,
+                ": a jvp is not supported for an op with a Tensor[] output.");
+  }
   TORCH_CHECK(!def.per_sample_batching || def.dirty.empty(), "torch_opaque: ", qual,
               ": per-sample batching of in-place ops is not supported.");
   for (const char* suffix : {"", "_fwd", "_bwd", "_jvp"}) {
