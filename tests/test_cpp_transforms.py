@@ -171,6 +171,31 @@ def test_hessian_of_an_op_with_jvp():
     )
 
 
+def test_nested_vmap_with_arguments_batched_at_different_levels():
+    """The kernel unwraps the highest level its arguments are batched at
+    (Note [Per-sample batching]); arguments batched only at an outer level,
+    seen at an inner one, give what that level would."""
+    r, th = rand(2, 3, 4), rand(3, 4)
+
+    def nested(fn):
+        both = vmap(lambda a: vmap(fn)(a, th))(r)  # r at both levels, th at the inner
+        mixed = vmap(lambda b: vmap(lambda x: fn(x, b))(r[0]))(th)  # th outer, r inner
+        outer_only = vmap(lambda b: vmap(lambda x: fn(r[0, 0], b)[0] + x)(r[0, 0]))(th)
+        return both, mixed, outer_only
+
+    torch.testing.assert_close(nested(polar), nested(polar_ref))
+
+
+def test_second_derivatives_under_vmap():
+    th = rand(3, 4)
+
+    def f(fn):
+        return lambda a: fn(a, a)[1].sum()
+
+    torch.testing.assert_close(vmap(torch.func.hessian(f(polar)))(th), vmap(torch.func.hessian(f(polar_ref)))(th))
+    torch.testing.assert_close(jacrev(jacrev(f(polar)))(th[0]), jacrev(jacrev(f(polar_ref)))(th[0]))
+
+
 def test_is_grads_batched_and_vectorized_jacobian():
     """torch's older vmap (the Batched key) runs the C++ backward and jvp on its
     batched tensors."""
