@@ -156,6 +156,20 @@ class UserKernel final : public c10::OperatorKernel {
   BoxedKernel fn_;
 };
 
+// `ns::Name` under vmap for an op with a batched forward (Note [Per-sample
+// batching]).
+class BatchedForwardKernel final : public c10::OperatorKernel {
+ public:
+  explicit BatchedForwardKernel(BoxedKernel fn) : fn_(std::move(fn)) {}
+  void operator()(const c10::OperatorHandle& op, c10::DispatchKeySet,
+                  torch::jit::Stack* stack) {
+    detail::batched_forward_kernel(fn_, op, stack);
+  }
+
+ private:
+  BoxedKernel fn_;
+};
+
 // `ns::Name` below autograd: the forward without residuals and without a
 // record (nothing will be differentiated).
 class InferenceKernel final : public c10::OperatorKernel {
@@ -373,8 +387,15 @@ std::shared_ptr<OpaqueOp> define_op(OpDefinition def) {
                                   std::make_unique<UserKernel>(def.jvp))));
   }
   if (def.per_sample_batching) {  // Note [Per-sample batching]
+    if (def.batched_forward) {
+      lib->impl(main_name.c_str(),
+                torch::dispatch(c10::DispatchKey::FuncTorchBatched,
+                                torch::CppFunction::makeFromBoxedFunctor(
+                                    std::make_unique<BatchedForwardKernel>(def.batched_forward))));
+    }
     for (const char* suffix : {"", "_fwd", "_bwd", "_jvp"}) {
       if (!def.jvp && std::string(suffix) == "_jvp") continue;
+      if (def.batched_forward && std::string(suffix).empty()) continue;
       lib->impl(with_overload(def.name + suffix, def.overload).c_str(),
                 torch::dispatch(c10::DispatchKey::FuncTorchBatched,
                                 torch::CppFunction::makeFromBoxedFunction<

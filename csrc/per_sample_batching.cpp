@@ -7,6 +7,7 @@
 #include <ATen/functorch/BatchedTensorImpl.h>
 #include <ATen/ops/stack.h>
 #include <ATen/ops/zeros_like.h>
+#include <ATen/core/grad_mode.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <c10/util/Exception.h>
 
@@ -35,6 +36,9 @@ namespace torch_opaque::detail {
 // autograd.grad(..., is_grads_batched=True) and jacobian(vectorize=True))
 // gets the user's backward and jvp kernels themselves on `_bwd` and `_jvp`
 // (define_op), which run on its batched tensors as a stock Function's do.
+// An op may give a batched forward of its own (a C++ op's `batched_forward`,
+// OpDefinition::batched_forward): `Name` then runs it once on the whole batch
+// (batched_forward_kernel); `_fwd`, `_bwd` and `_jvp` still run per sample.
 // The Python front end registers its own rules (torch_opaque/_impl/batching.py).
 // The level unwrapped is the highest level of a batched argument (read from
 // the tensors: functorch's DynamicLayer.h, which tells the current level,
@@ -123,39 +127,51 @@ c10::IValue stack_samples(const std::string& op_name, size_t k,
 
 } // namespace
 
-void per_sample_kernel(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
-  const auto& schema = op.schema();
-  const size_t n_args = schema.arguments().size();
-  const size_t n_ret = schema.returns().size();
-  std::vector<c10::IValue> args(std::make_move_iterator(stack->end() - n_args),
-                                std::make_move_iterator(stack->end()));
-  torch::jit::drop(*stack, n_args);
+namespace {
 
+// The arguments of one call, batched tensors replaced by their physical
+// tensors at `level` with the batch dimension first.
+struct Unwrapped {
+  std::vector<c10::IValue> args;
+  std::vector<bool> batched;  // per tensor, in map_tensors order
   int64_t level = -1;
-  for (const c10::IValue& a : args) {
+  int64_t batch_size = -1;    // -1: nothing batched
+};
+
+Unwrapped unwrap_arguments(torch::jit::Stack* stack, size_t n_args) {
+  Unwrapped u;
+  u.args.assign(std::make_move_iterator(stack->end() - n_args),
+                std::make_move_iterator(stack->end()));
+  torch::jit::drop(*stack, n_args);
+  for (const c10::IValue& a : u.args) {
     map_tensors(a, [&](const at::Tensor& t) {
-      if (auto* impl = maybeGetBatchedImpl(t)) level = std::max(level, impl->level());
+      if (auto* impl = maybeGetBatchedImpl(t)) u.level = std::max(u.level, impl->level());
       return t;
     });
   }
-  // The physical tensors, with the batch dimension first where there is one.
-  std::vector<bool> batched;  // per tensor, in map_tensors order
-  int64_t batch_size = -1;
-  for (c10::IValue& a : args) {
+  for (c10::IValue& a : u.args) {
     a = map_tensors(a, [&](const at::Tensor& t) {
-      if (!t.defined()) {
-        batched.push_back(false);
-        return t;
-      }
-      auto* impl = maybeGetBatchedImpl(t);
-      const bool here = impl && impl->level() == level;
-      batched.push_back(here);
+      auto* impl = t.defined() ? maybeGetBatchedImpl(t) : nullptr;
+      const bool here = impl && impl->level() == u.level;
+      u.batched.push_back(here);
       if (!here) return t;
       at::Tensor front = impl->value().movedim(impl->bdim(), 0);
-      batch_size = front.size(0);
+      u.batch_size = front.size(0);
       return front;
     });
   }
+  return u;
+}
+
+} // namespace
+
+void per_sample_kernel(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  const auto& schema = op.schema();
+  const size_t n_ret = schema.returns().size();
+  Unwrapped u = unwrap_arguments(stack, schema.arguments().size());
+  std::vector<c10::IValue>& args = u.args;
+  const std::vector<bool>& batched = u.batched;
+  const int64_t level = u.level, batch_size = u.batch_size;
   c10::impl::ExcludeDispatchKeyGuard below(c10::DispatchKey::FuncTorchBatched);
   if (batch_size < 0) {  // nothing batched at this level
     for (auto& a : args) stack->push_back(std::move(a));
@@ -196,6 +212,63 @@ void per_sample_kernel(const c10::OperatorHandle& op, torch::jit::Stack* stack) 
     stack->push_back(stack_samples(name, k, results[k], level));
   }
   if (record) set_forward_record(std::move(*record));
+}
+
+void batched_forward_kernel(const BoxedKernel& fn, const c10::OperatorHandle& op,
+                            torch::jit::Stack* stack) {
+  const auto& schema = op.schema();
+  const size_t n_args = schema.arguments().size();
+  // Gradients of plain autograd (not torch.func.grad) are recorded per sample.
+  bool records = false;
+  if (at::GradMode::is_enabled()) {
+    for (const c10::IValue& a : torch::jit::last(*stack, n_args)) {
+      map_tensors(a, [&](const at::Tensor& t) {
+        const at::Tensor* inner = &t;  // below every vmap level
+        while (auto* impl = inner->defined() ? maybeGetBatchedImpl(*inner) : nullptr) {
+          inner = &impl->value();
+        }
+        records = records || (inner->defined() && inner->requires_grad());
+        return t;
+      });
+    }
+  }
+  if (records) {
+    per_sample_kernel(op, stack);
+    return;
+  }
+  Unwrapped u = unwrap_arguments(stack, n_args);
+  c10::impl::ExcludeDispatchKeyGuard below(c10::DispatchKey::FuncTorchBatched);
+  if (u.batch_size < 0) {
+    for (auto& a : u.args) stack->push_back(std::move(a));
+    op.callBoxed(stack);
+    return;
+  }
+  size_t i = 0;
+  for (const c10::IValue& a : u.args) {
+    stack->push_back(map_tensors(a, [&](const at::Tensor& t) {
+      if (u.batched[i++] || !t.defined()) return t;
+      std::vector<int64_t> sizes{u.batch_size};
+      for (int64_t d : t.sizes()) sizes.push_back(d);
+      return t.unsqueeze(0).expand(sizes);
+    }));
+  }
+  {
+    ForwardCallScope scope(std::nullopt);  // no record: nothing is differentiated
+    at::AutoGradMode no_grad(false);
+    fn(schema, stack);
+  }
+  stack->pop_back();  // the residuals
+  const std::string name = schema.operator_name().name;
+  const size_t n_ret = schema.returns().size();
+  for (auto v = stack->end() - n_ret; v != stack->end(); ++v) {
+    *v = map_tensors(*v, [&](const at::Tensor& t) {
+      TORCH_CHECK(t.dim() > 0 && t.size(0) == u.batch_size, "torch_opaque: ", name,
+                  ": its batched_forward returned an output of shape ", t.sizes(), " for a batch of ",
+                  u.batch_size, ". batched_forward gets every tensor argument with the batch as its "
+                  "first dimension and must return every output with it first too.");
+      return makeBatched(t, 0, u.level);
+    });
+  }
 }
 
 } // namespace torch_opaque::detail

@@ -259,3 +259,50 @@ def test_jvp_tangent_of_the_wrong_shape_is_a_clear_error(transform_test_ops):
     x = torch.randn(3)
     with pytest.raises(RuntimeError, match=r"jvp returned a tangent of shape \[\] for output 0 of shape \[3\]"):
         jvp(transform_test_ops.wrong_tangent_shape, (x,), (torch.randn(3),))
+
+
+class CountCalls(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the calls of one op that reach the Python key (below vmap's)."""
+
+    def __init__(self, name):
+        super().__init__()
+        self.name, self.count = name, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func._schema.name == self.name:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_batched_forward_runs_once_per_batch(transform_test_ops):
+    op = transform_test_ops.cumsum_scaled
+    x, y = rand(5, 3, 4), rand(4)
+    for fn, args, in_dims, ref in [
+        (lambda a: op(a, 2.0), (x,), 0, x.cumsum(-1) * 2),
+        (lambda a, b: op(a + b, 2.0), (x, y), (0, None), (x + y).cumsum(-1) * 2),
+    ]:
+        with CountCalls("opaque_transform_test::cumsum_scaled") as mode:
+            got = vmap(fn, in_dims)(*args)
+        torch.testing.assert_close(got, ref)
+        assert mode.count == 0  # no per-sample call of the op
+    # An argument batched elsewhere than dim 0.
+    got = vmap(lambda a: op(a, 0.5), in_dims=1)(x)
+    torch.testing.assert_close(got, x.movedim(1, 0).cumsum(-1) * 0.5)
+    # A scaled_sin without a batched forward runs once per sample.
+    with CountCalls("example::scaled_sin") as mode:
+        vmap(scaled_sin)(x)
+    assert mode.count == 5
+    # Gradients: `_fwd`/`_bwd` per sample, and plain autograd through the batch.
+    g = vmap(grad(lambda a: op(a, 2.0).pow(2).sum()))(x)
+    ref = vmap(grad(lambda a: (a.cumsum(-1) * 2).pow(2).sum()))(x)
+    torch.testing.assert_close(g, ref)
+    xr = x.clone().requires_grad_()
+    vmap(lambda a: op(a, 2.0))(xr).pow(2).sum().backward()
+    torch.testing.assert_close(xr.grad, ref)
+    g = grad(lambda a: vmap(lambda t: op(t, 2.0))(a).pow(2).sum())(x)
+    torch.testing.assert_close(g, ref)
+
+
+def test_batched_forward_that_drops_the_batch_is_a_clear_error(transform_test_ops):
+    with pytest.raises(RuntimeError, match=r"its batched_forward returned an output of shape \[12\] for a batch of 3"):
+        vmap(transform_test_ops.bad_batched)(torch.randn(3, 4))

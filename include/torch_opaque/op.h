@@ -92,6 +92,12 @@ struct has_backward<Op, std::void_t<decltype(Op::backward(std::declval<Context&>
     : is_backward_result<decltype(Op::backward(std::declval<Context&>(),
                                                std::declval<std::vector<at::Tensor>>()))> {};
 
+// Optional forward for a whole batch (Note [Per-sample batching]).
+template <class Op, class = void>
+struct has_batched_forward : std::false_type {};
+template <class Op>
+struct has_batched_forward<Op, std::void_t<decltype(&Op::batched_forward)>> : std::true_type {};
+
 // Optional forward-mode derivative (Note [C++ jvp] in detail/jvp_finisher.h).
 template <class Op, class = void>
 struct has_jvp : std::false_type {};
@@ -220,7 +226,7 @@ BoxedKernel jvp_kernel(std::string op_name) {
 } // namespace detail
 
 // Defines the op `qualified_name` ("ns::name" or "ns::name.overload") from
-// Op's static forward/backward (and optional fake and jvp). `arg_names` names the
+// Op's static forward/backward (and optional fake, jvp and batched_forward). `arg_names` names the
 // forward arguments after ctx; without names they are arg0, arg1, ...
 template <class Op>
 std::shared_ptr<OpaqueOp> def(const std::string& qualified_name,
@@ -287,6 +293,13 @@ std::shared_ptr<OpaqueOp> def(const std::string& qualified_name,
                   "arguments or a Tensor[] result yet; remove jvp (forward-mode AD then "
                   "raises torch's error) or take/return separate tensors.");
     d.jvp = detail::jvp_kernel<Op>(qualified_name);
+  }
+  if constexpr (detail::has_batched_forward<Op>::value) {
+    static_assert(std::is_same_v<decltype(&Op::batched_forward), decltype(&Op::forward)>,
+                  "torch_opaque::def<Op>: Op::batched_forward must have exactly forward's "
+                  "signature (every tensor argument and output then has the batch as its "
+                  "first dimension).");
+    d.batched_forward = detail::forward_kernel(&Op::batched_forward, qualified_name);
   }
   d.differentiate_lists = true;
   d.per_sample_batching = true;

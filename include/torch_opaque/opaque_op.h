@@ -66,6 +66,11 @@ struct OpDefinition {
   // jacrev, jacfwd and vmap(grad(f)) work. The Python front end registers
   // rules of its own and leaves this false.
   bool per_sample_batching = false;
+  // Optional, with per_sample_batching: a forward for a whole batch (same
+  // contract as `forward`, every tensor argument and output with the batch as
+  // its first dimension), run by `ns::Name` under vmap instead of one call
+  // per sample (Note [Per-sample batching]).
+  BoxedKernel batched_forward;
   // Tensor-list (Tensor[]) arguments: with false their elements are not
   // differentiated, as torch.autograd.Function does (the Python front end);
   // with true (the C++ API) each element is, as torch::autograd::Function
