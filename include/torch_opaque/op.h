@@ -21,7 +21,10 @@
 // `_fwd`/`_bwd` companions, the Autograd kernel, CompositeExplicitAutograd
 // kernels (which also serve Meta, so the op runs on meta and fake tensors when
 // forward is made of ATen ops) and, if Op has a `fake` with forward's
-// signature, a Meta kernel from it.
+// signature, a Meta kernel from it. Optional members: `jvp` (forward-mode AD,
+// Note [C++ jvp] in detail/jvp_finisher.h) and `batched_forward` (forward's
+// signature, run once per batch under vmap; without it the op runs once per
+// sample, Note [Per-sample batching] in csrc/per_sample_batching.cpp).
 
 #include <torch_opaque/context.h>
 #include <torch_opaque/detail/arg_types.h>
