@@ -4,6 +4,7 @@
 
 #include "autograd_kernel.h"
 #include "in_place.h"
+#include "per_sample_batching.h"
 
 #include <ATen/core/op_registration/op_registration.h>
 #include <ATen/ops/empty_strided.h>
@@ -156,6 +157,20 @@ class UserKernel final : public c10::OperatorKernel {
   BoxedKernel fn_;
 };
 
+// `ns::Name` under vmap for an op with a batched forward (Note [Per-sample
+// batching]).
+class BatchedForwardKernel final : public c10::OperatorKernel {
+ public:
+  explicit BatchedForwardKernel(BoxedKernel fn) : fn_(std::move(fn)) {}
+  void operator()(const c10::OperatorHandle& op, c10::DispatchKeySet,
+                  torch::jit::Stack* stack) {
+    detail::batched_forward_kernel(fn_, op, stack);
+  }
+
+ private:
+  BoxedKernel fn_;
+};
+
 // `ns::Name` below autograd: the forward without residuals and without a
 // record (nothing will be differentiated).
 class InferenceKernel final : public c10::OperatorKernel {
@@ -256,7 +271,17 @@ std::shared_ptr<OpaqueOp> define_op(OpDefinition def) {
               qual, " has an argument named 'needs_input_grad', which `", def.name,
               "_fwd` uses itself; rename the argument.");
   auto& dispatcher = c10::Dispatcher::singleton();
-  for (const char* suffix : {"", "_fwd", "_bwd"}) {
+  TORCH_CHECK(!def.jvp || def.arguments.find(" tangents") == std::string::npos,
+              "torch_opaque: ", qual, " has an argument named 'tangents', which `", def.name,
+              "_jvp` uses itself; rename the argument.");
+  for (const std::string& r : def.returns) {
+    TORCH_CHECK(!def.jvp || r.rfind("Tensor[]", 0) != 0, "torch_opaque: ", qual,
+                ": a jvp is not supported for an op with a Tensor[] output.");
+  }
+  TORCH_CHECK(!def.per_sample_batching || def.dirty.empty(), "torch_opaque: ", qual,
+              ": per-sample batching of in-place ops is not supported.");
+  for (const char* suffix : {"", "_fwd", "_bwd", "_jvp"}) {
+    if (!def.jvp && std::string(suffix) == "_jvp") continue;
     TORCH_CHECK(!dispatcher.findSchema({def.ns + "::" + def.name + suffix, def.overload}),
                 "torch_opaque: ", def.ns, "::", with_overload(def.name + suffix, def.overload),
                 " is already defined. Pick another name (or overload), or reuse the "
@@ -276,6 +301,19 @@ std::shared_ptr<OpaqueOp> define_op(OpDefinition def) {
       "(Tensor?[] saved, Tensor?[] grads, bool[] needs_input_grad, str state, "
       "SymInt[] state_ints) -> Tensor?[]";
 
+  // Note [C++ jvp] (detail/jvp_finisher.h): the schema Python Functions'
+  // `Name_jvp` has (torch_opaque/_impl/forward_ad.py), plain return types.
+  std::string jvp_schema;
+  if (def.jvp) {
+    jvp_schema = with_overload(def.name + "_jvp", def.overload) + "(" + def.arguments +
+        (def.arguments.empty() ? "" : ", ") + "Tensor?[] tangents) -> (";
+    for (size_t k = 0; k < def.returns.size(); ++k) {
+      const std::string& r = def.returns[k];
+      jvp_schema += r.substr(0, r.find(' ')) + ", ";
+    }
+    jvp_schema += "Tensor[])";
+  }
+
   auto lib = std::make_unique<torch::Library>(torch::Library::FRAGMENT, def.ns,
                                               std::nullopt, __FILE__, __LINE__);
   const std::vector<at::Tag> tags = {at::Tag::pt2_compliant_tag};
@@ -293,6 +331,7 @@ std::shared_ptr<OpaqueOp> define_op(OpDefinition def) {
     }
     lib->def(fwd_schema.c_str(), tags);
     lib->def(bwd_schema.c_str(), tags);
+    if (def.jvp) lib->def(jvp_schema.c_str(), tags);
   } catch (const std::exception& e) {
     // The schema parser throws torch::jit::ErrorReport, not c10::Error.
     TORCH_CHECK(false, "torch_opaque: cannot define ", qual, " with schema '",
@@ -343,6 +382,41 @@ std::shared_ptr<OpaqueOp> define_op(OpDefinition def) {
             torch::dispatch(c10::DispatchKey::Autograd,
                             torch::CppFunction::makeFromBoxedFunctor(
                                 std::make_unique<detail::BackwardAutogradKernel>())));
+  if (def.jvp) {
+    lib->impl(with_overload(def.name + "_jvp", def.overload).c_str(),
+              torch::dispatch(c10::DispatchKey::CompositeExplicitAutograd,
+                              torch::CppFunction::makeFromBoxedFunctor(
+                                  std::make_unique<UserKernel>(def.jvp))));
+  }
+  if (def.per_sample_batching) {  // Note [Per-sample batching]
+    if (def.batched_forward) {
+      lib->impl(main_name.c_str(),
+                torch::dispatch(c10::DispatchKey::FuncTorchBatched,
+                                torch::CppFunction::makeFromBoxedFunctor(
+                                    std::make_unique<BatchedForwardKernel>(def.batched_forward))));
+    }
+    for (const char* suffix : {"", "_fwd", "_bwd", "_jvp"}) {
+      if (!def.jvp && std::string(suffix) == "_jvp") continue;
+      if (def.batched_forward && std::string(suffix).empty()) continue;
+      lib->impl(with_overload(def.name + suffix, def.overload).c_str(),
+                torch::dispatch(c10::DispatchKey::FuncTorchBatched,
+                                torch::CppFunction::makeFromBoxedFunction<
+                                    &detail::per_sample_kernel>()));
+    }
+    // torch's older vmap (the Batched key: autograd.grad(..., is_grads_batched=True),
+    // jacobian(vectorize=True)) runs the user's backward and jvp on its batched
+    // tensors, as it does a stock Function's.
+    lib->impl(with_overload(def.name + "_bwd", def.overload).c_str(),
+              torch::dispatch(c10::DispatchKey::Batched,
+                              torch::CppFunction::makeFromBoxedFunctor(
+                                  std::make_unique<UserKernel>(def.backward))));
+    if (def.jvp) {
+      lib->impl(with_overload(def.name + "_jvp", def.overload).c_str(),
+                torch::dispatch(c10::DispatchKey::Batched,
+                                torch::CppFunction::makeFromBoxedFunctor(
+                                    std::make_unique<UserKernel>(def.jvp))));
+    }
+  }
   op->keep_alive(std::move(lib));
   all_ops().push_back(op);
   return op;

@@ -29,6 +29,11 @@ class Context {
   // tensor was saved).
   const std::vector<at::Tensor>& saved_tensors() const { return to_save_; }
   std::vector<at::Tensor> get_saved_variables() const { return to_save_; }
+  // Forward: tensors the op's `jvp` needs (forward-mode AD). In `jvp`,
+  // saved_tensors() gives these, as in a Python autograd.Function.
+  void save_for_forward(std::vector<at::Tensor> tensors) {
+    for_forward_ = std::move(tensors);
+  }
 
   // Non-tensor state for the backward. Supported values: int, double, bool,
   // string, None, SymInt, and lists of int, SymInt, double and bool (e.g.
@@ -63,10 +68,12 @@ class Context {
   const std::vector<at::Tensor>& non_differentiable() const { return non_differentiable_; }
   bool materialize_grads() const { return materialize_grads_; }
   void set_saved_tensors(std::vector<at::Tensor> t) { to_save_ = std::move(t); }
+  std::vector<at::Tensor> take_saved_for_forward() { return std::move(for_forward_); }
 
  private:
   std::vector<bool> needs_input_grad_;
   std::vector<at::Tensor> to_save_;
+  std::vector<at::Tensor> for_forward_;
   std::vector<at::Tensor> non_differentiable_;
   bool materialize_grads_ = true;
 };

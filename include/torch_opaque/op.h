@@ -21,11 +21,15 @@
 // `_fwd`/`_bwd` companions, the Autograd kernel, CompositeExplicitAutograd
 // kernels (which also serve Meta, so the op runs on meta and fake tensors when
 // forward is made of ATen ops) and, if Op has a `fake` with forward's
-// signature, a Meta kernel from it.
+// signature, a Meta kernel from it. Optional members: `jvp` (forward-mode AD,
+// Note [C++ jvp] in detail/jvp_finisher.h) and `batched_forward` (forward's
+// signature, run once per batch under vmap; without it the op runs once per
+// sample, Note [Per-sample batching] in csrc/per_sample_batching.cpp).
 
 #include <torch_opaque/context.h>
 #include <torch_opaque/detail/arg_types.h>
 #include <torch_opaque/detail/finishers.h>
+#include <torch_opaque/detail/jvp_finisher.h>
 #include <torch_opaque/gradient.h>
 #include <torch_opaque/opaque_op.h>
 
@@ -90,6 +94,27 @@ struct has_backward<Op, std::void_t<decltype(Op::backward(std::declval<Context&>
                                                            std::declval<std::vector<at::Tensor>>()))>>
     : is_backward_result<decltype(Op::backward(std::declval<Context&>(),
                                                std::declval<std::vector<at::Tensor>>()))> {};
+
+// Optional forward for a whole batch (Note [Per-sample batching]).
+template <class Op, class = void>
+struct has_batched_forward : std::false_type {};
+template <class Op>
+struct has_batched_forward<Op, std::void_t<decltype(&Op::batched_forward)>> : std::true_type {};
+
+// Optional forward-mode derivative (Note [C++ jvp] in detail/jvp_finisher.h).
+template <class Op, class = void>
+struct has_jvp : std::false_type {};
+template <class Op>
+struct has_jvp<Op, std::void_t<decltype(&Op::jvp)>> : std::true_type {};
+
+template <class Op, class = void>
+struct jvp_callable : std::false_type {};
+template <class Op>
+struct jvp_callable<Op, std::void_t<decltype(Op::jvp(std::declval<Context&>(),
+                                                     std::declval<std::vector<at::Tensor>>()))>>
+    : std::is_convertible<decltype(Op::jvp(std::declval<Context&>(),
+                                           std::declval<std::vector<at::Tensor>>())),
+                          std::vector<at::Tensor>> {};
 
 // A backward's result as one Gradient per forward argument.
 inline std::vector<Gradient> to_gradients(std::vector<Gradient> g) { return g; }
@@ -178,10 +203,35 @@ DirectBackward backward_kernel(std::string op_name, std::vector<bool> tensor_arg
   };
 }
 
+// `_jvp`'s kernel: forward (without grad) and jvp on one Context.
+template <class Op>
+BoxedKernel jvp_kernel(std::string op_name) {
+  using Sig = ForwardSignature<decltype(&Op::forward)>;
+  using Args = typename Sig::args;
+  return [op_name](const c10::FunctionSchema&, torch::jit::Stack* stack) {
+    std::vector<at::Tensor> tangents = pop_jvp_tangents(stack);
+    TORCH_CHECK(tangents.size() == Sig::arity, "torch_opaque: ", op_name, "_jvp got ",
+                tangents.size(), " tangents for ", Sig::arity,
+                " arguments. Pass one tangent (or None) per argument.");
+    c10::SmallVector<c10::IValue, 8> inputs(std::make_move_iterator(stack->end() - Sig::arity),
+                                            std::make_move_iterator(stack->end()));
+    torch::jit::drop(*stack, Sig::arity);
+    Context ctx(std::vector<bool>(Sig::arity, false));
+    at::AutoGradMode no_grad(false);  // as a Python Function's forward and jvp run
+    auto args = unbox<Args>(inputs, std::make_index_sequence<Sig::arity>{});
+    auto result = std::apply([&](auto&... a) { return Op::forward(ctx, a...); }, args);
+    using Ret = ReturnType<typename Sig::result>;
+    std::vector<at::Tensor> outputs = Ret::flatten(std::move(result));
+    ctx.set_saved_tensors(ctx.take_saved_for_forward());
+    std::vector<at::Tensor> out_tangents = Op::jvp(ctx, tangents);
+    finish_jvp(op_name, inputs, tangents, std::move(outputs), std::move(out_tangents), stack);
+  };
+}
+
 } // namespace detail
 
 // Defines the op `qualified_name` ("ns::name" or "ns::name.overload") from
-// Op's static forward/backward (and optional fake). `arg_names` names the
+// Op's static forward/backward (and optional fake, jvp and batched_forward). `arg_names` names the
 // forward arguments after ctx; without names they are arg0, arg1, ...
 template <class Op>
 std::shared_ptr<OpaqueOp> def(const std::string& qualified_name,
@@ -238,7 +288,26 @@ std::shared_ptr<OpaqueOp> def(const std::string& qualified_name,
   if constexpr (detail::has_fake<Op>::value) {
     d.meta_forward = detail::forward_kernel(&Op::fake, qualified_name);
   }
+  if constexpr (detail::has_jvp<Op>::value) {
+    static_assert(detail::jvp_callable<Op>::value,
+                  "torch_opaque::def<Op>: Op::jvp must be `static std::vector<at::Tensor> "
+                  "jvp(torch_opaque::Context& ctx, std::vector<at::Tensor> tangents)`: one "
+                  "tangent per forward argument in, one per output out.");
+    static_assert(!Ret::is_list && !detail::any_tensor_list<Args>(std::make_index_sequence<n>{}),
+                  "torch_opaque::def<Op>: Op::jvp is not supported for ops with Tensor[] "
+                  "arguments or a Tensor[] result yet; remove jvp (forward-mode AD then "
+                  "raises torch's error) or take/return separate tensors.");
+    d.jvp = detail::jvp_kernel<Op>(qualified_name);
+  }
+  if constexpr (detail::has_batched_forward<Op>::value) {
+    static_assert(std::is_same_v<decltype(&Op::batched_forward), decltype(&Op::forward)>,
+                  "torch_opaque::def<Op>: Op::batched_forward must have exactly forward's "
+                  "signature (every tensor argument and output then has the batch as its "
+                  "first dimension).");
+    d.batched_forward = detail::forward_kernel(&Op::batched_forward, qualified_name);
+  }
   d.differentiate_lists = true;
+  d.per_sample_batching = true;
   return define_op(std::move(d));
 }
 

@@ -2,13 +2,15 @@
 // Defining an opaque operator: one op node in every traced graph, with a
 // generic Autograd kernel and an opaque backward op.
 //
-// define_op registers three operators from one definition:
+// define_op registers three operators (four with a jvp) from one definition:
 //   ns::Name.overload(<arguments>) -> <returns>
 //   ns::Name_fwd.overload(<arguments>, bool[]? needs_input_grad=None)
 //       -> (<returns>, Tensor[] residuals)
 //   ns::Name_bwd.overload(Tensor?[] saved, Tensor?[] grads,
 //                         bool[] needs_input_grad, str state,
 //                         SymInt[] state_ints) -> Tensor?[]
+//   ns::Name_jvp.overload(<arguments>, Tensor?[] tangents)
+//       -> (<returns>, Tensor[] tangents)      (only with a jvp kernel)
 // (`_bwd` returns one gradient per forward argument; with differentiate_lists,
 // one per element for a Tensor[] argument.)
 // `ns::Name` gets the Autograd kernel (see autograd_kernel.cpp) and a
@@ -89,6 +91,20 @@ struct OpDefinition {
   // registered on the Meta key of `ns::Name` and `ns::Name_fwd`. Without it
   // the CompositeExplicitAutograd kernels serve meta tensors too.
   BoxedKernel meta_forward;
+  // Optional: forward-mode AD. Defines `ns::Name_jvp(<arguments>, Tensor?[]
+  // tangents) -> (<returns>, Tensor[])` with this kernel (Note [C++ jvp] in
+  // detail/jvp_finisher.h); without it, forward-mode AD raises torch's error.
+  BoxedKernel jvp;
+  // Register a FuncTorchBatched kernel that runs each op once per sample
+  // (Note [Per-sample batching] in csrc/per_sample_batching.cpp), so vmap,
+  // jacrev, jacfwd and vmap(grad(f)) work. The Python front end registers
+  // rules of its own and leaves this false.
+  bool per_sample_batching = false;
+  // Optional, with per_sample_batching: a forward for a whole batch (same
+  // contract as `forward`, every tensor argument and output with the batch as
+  // its first dimension), run by `ns::Name` under vmap instead of one call
+  // per sample (Note [Per-sample batching]).
+  BoxedKernel batched_forward;
   // Tensor-list (Tensor[]) arguments: with false their elements are not
   // differentiated, as torch.autograd.Function does (the Python front end);
   // with true (the C++ API) each element is, as torch::autograd::Function
