@@ -102,11 +102,7 @@ def per_sample(call, args, as_user_code=False):
         return [call(*_sample(flat, dims, spec, b)) for b in range(interp.batch_size())]
 
     if as_user_code:
-        def lowered():
-            with interp.lower():
-                return each()
-
-        results = _as_user_code(lowered)
+        results = _as_user_code(interp, each)
     else:
         with _below():
             results = each()
@@ -124,27 +120,30 @@ def generated(call, args):
         with _below():
             return call(*pytree.tree_unflatten(flat, spec))
 
-    def body():
-        with interp.lower():
-            return restore_vmap(
-                lambda *leaves: call(*pytree.tree_unflatten(list(leaves), spec)),
-                tuple(dims), interp.batch_size(), interp.randomness(),
-            )(*flat)
-
-    out, out_dims = _as_user_code(body)
+    batched = restore_vmap(
+        lambda *leaves: call(*pytree.tree_unflatten(list(leaves), spec)),
+        tuple(dims), interp.batch_size(), interp.randomness(),
+    )
+    out, out_dims = _as_user_code(interp, lambda: batched(*flat))
     return wrap_batched(out, out_dims, level)
 
 
-def _as_user_code(fn):
-    """``fn()`` with the thread-local dispatch key state functorch saved on the
-    level being processed when it entered it: the state of the level's user
-    code (Note [Batching rules]). Read from the level's interpreter, whose
-    serialized form is the only public view of it."""
+def _as_user_code(interp, fn):
+    """``fn()`` one level down (`interp` lowered), with the thread-local
+    dispatch key state functorch saved on the level being processed when it
+    entered it: the state of the level's user code (Note [Batching rules]).
+    Read from the level's interpreter, whose serialized form is the only
+    public view of it; forced before lowering, which may change it."""
+
+    def lowered():
+        with interp.lower():
+            return fn()
+
     saved = json.loads(torch._C._functorch.peek_interpreter_stack().serialize())
     keys = saved.get("savedLocalDispatchKeySet")
     if not keys:
-        return fn()
-    return _C.call_with_dispatch_keys(fn, keys["included"], keys["excluded"])
+        return lowered()
+    return _C.call_with_dispatch_keys(lowered, keys["included"], keys["excluded"])
 
 
 def _below():

@@ -65,7 +65,6 @@ and Inductor reach it through torch._dynamo.backends.common).
 
 from __future__ import annotations
 
-import importlib.abc
 import sys
 import threading
 import warnings
@@ -346,35 +345,6 @@ def _patch(common) -> None:
     factory.build = _routed_build(factory.build)
 
 
-class _CommonWatcher(importlib.abc.MetaPathFinder):
-    """Patches right after torch._dynamo.backends.common has been imported.
-    Importing it from the Dynamo hook could re-enter a partially imported
-    torch._inductor (torch.compile's first call imports Inductor, which
-    imports Dynamo), so the patch waits for its first import."""
-
-    def find_spec(self, name, path, target=None):
-        if name != _COMMON:
-            return None
-        for finder in sys.meta_path:
-            if finder is self or not hasattr(finder, "find_spec"):
-                continue
-            spec = finder.find_spec(name, path, target)
-            if spec is not None:
-                break
-        else:
-            return None
-        exec_module = spec.loader.exec_module
-
-        def exec_then_patch(module):
-            exec_module(module)
-            if self in sys.meta_path:
-                sys.meta_path.remove(self)
-            _patch(module)
-
-        spec.loader.exec_module = exec_then_patch
-        return spec
-
-
 def install() -> None:
     """Patch AOTAutograd once (called when Dynamo loads): now if
     torch._dynamo.backends.common is loaded, else when it is; a warning and
@@ -385,7 +355,12 @@ def install() -> None:
     _installed = True
     common = sys.modules.get(_COMMON)
     if common is None:
-        sys.meta_path.insert(0, _CommonWatcher())
+        # Importing it from the Dynamo hook could re-enter a partially imported
+        # torch._inductor (torch.compile's first call imports Inductor, which
+        # imports Dynamo), so the patch waits for its first import.
+        from .dynamo import AfterFirstImport
+
+        AfterFirstImport(_COMMON, _patch).arm()
     elif hasattr(common, "aot_autograd"):  # its last definition: fully imported
         _patch(common)
     else:  # pragma: no cover - imported part-way; not seen with torch 2.13/2.14

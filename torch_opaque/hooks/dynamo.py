@@ -211,11 +211,20 @@ def install() -> None:
     compiled_double_backward.install()  # Note [Double backward in compiled graphs]
 
 
-class _DynamoWatcher(importlib.abc.MetaPathFinder):
-    """Installs the hook right after ``torch._dynamo`` has been imported."""
+class AfterFirstImport(importlib.abc.MetaPathFinder):
+    """Calls ``then(module)`` right after module `name` has first been
+    imported (executed in full), once; ``arm()`` puts it on sys.meta_path and
+    it removes itself when it fires."""
+
+    def __init__(self, name: str, then) -> None:
+        self.name, self.then = name, then
+
+    def arm(self) -> None:
+        if self not in sys.meta_path:
+            sys.meta_path.insert(0, self)
 
     def find_spec(self, name, path, target=None):
-        if name != "torch._dynamo":
+        if name != self.name:
             return None
         for finder in sys.meta_path:
             if finder is self or not hasattr(finder, "find_spec"):
@@ -225,29 +234,25 @@ class _DynamoWatcher(importlib.abc.MetaPathFinder):
                 break
         else:
             return None
-        loader = spec.loader
-        exec_module = loader.exec_module
+        exec_module = spec.loader.exec_module
 
-        def exec_then_install(module):
+        def exec_then(module):
             exec_module(module)
-            _remove_watcher()
-            install()
+            if self in sys.meta_path:
+                sys.meta_path.remove(self)
+            self.then(module)
 
-        loader.exec_module = exec_then_install
+        spec.loader.exec_module = exec_then
         return spec
 
 
-_WATCHER = _DynamoWatcher()
-
-
-def _remove_watcher() -> None:
-    if _WATCHER in sys.meta_path:
-        sys.meta_path.remove(_WATCHER)
+# Installs the hook right after ``torch._dynamo`` has been imported.
+_WATCHER = AfterFirstImport("torch._dynamo", lambda module: install())
 
 
 def install_when_dynamo_loads() -> None:
     """Install now if torch._dynamo is loaded, else when it is first imported."""
     if "torch._dynamo" in sys.modules and hasattr(sys.modules["torch._dynamo"], "reset"):
         install()
-    elif _WATCHER not in sys.meta_path:
-        sys.meta_path.insert(0, _WATCHER)
+    else:
+        _WATCHER.arm()
