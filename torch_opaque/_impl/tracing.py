@@ -28,7 +28,6 @@ from __future__ import annotations
 
 from typing import Any, Callable, Optional, Sequence
 
-import sympy
 import torch
 
 # The size given to a symbolic dimension whose hint is unknown (an unbacked
@@ -55,6 +54,8 @@ def size_hint(v: Any) -> int:
             h = None
         if h is not None:
             return int(h)
+        import sympy  # here, not at module level: importing sympy costs ~0.25 s (#11)
+
         subs = {}
         for s in node.expr.free_symbols:
             vr = env.var_to_range.get(s)
