@@ -7,10 +7,12 @@ For several kinds of Function (what real Functions keep on ``ctx``), compares:
   torch.ops  torch.ops.opaque.<Name>.<overload>(...), the path ep.module() runs
   custom_op  torch.library.custom_op + register_autograd with the same bodies
   floor      what any implementation must run, as an estimate from below: the
-             Function's forward and backward bodies called directly (a plain
-             object as ctx) plus one pass of the autograd engine over a
-             one-node graph that is kept (no node is built per step). A ratio
-             to custom_op can be no lower than floor's (see the targets)
+             Function's forward body called directly (a plain object as ctx),
+             then one pass of the autograd engine over a one-node graph that
+             is kept (no node is built per step) whose Python hook runs the
+             backward body (the engine calls into Python once, retaking the
+             GIL, as for any Function). A ratio to custom_op can be no lower
+             than floor's (see the targets)
 
 Kinds (issue #11):
 
@@ -183,14 +185,19 @@ class Floor:
         if mode == "fwd":
             return lambda: fwd(_Ctx(), xd, nxt())
         run_backward = torch.autograd.graph.Variable._execution_engine.run_backward
-        kept = (x.view(-1),)  # one node (ViewBackward0), built once and kept
-        inputs, grads = (x,), (g,)
+        kept = x.view(-1)  # one node (ViewBackward0), built once and kept
+        current = [None]  # this step's ctx
+
+        def hook(grad):
+            bwd(current[0], g)  # (a hook's result replaces the gradient: None keeps it)
+
+        kept.register_hook(hook)
+        inputs, grads, outputs = (x,), (g,), (kept,)
 
         def step():
-            ctx = _Ctx()
+            current[0] = ctx = _Ctx()
             fwd(ctx, xd, nxt())
-            run_backward(kept, grads, True, False, inputs, False, False)
-            bwd(ctx, g)
+            run_backward(outputs, grads, True, False, inputs, False, False)
 
         return step
 
