@@ -243,14 +243,11 @@ std::vector<std::shared_ptr<OpaqueOp>>& all_ops() {
 OpaqueOp::OpaqueOp(OpDefinition def, c10::OperatorHandle op, c10::OperatorHandle fwd,
                    c10::OperatorHandle bwd)
     : def_(std::move(def)),
+      qualified_name_(def_.ns + "::" + with_overload(def_.name, def_.overload)),
       op_(std::move(op)),
       fwd_op_(std::move(fwd)),
       bwd_op_(std::move(bwd)),
       num_args_(op_.schema().arguments().size()) {}
-
-std::string OpaqueOp::qualified_name() const {
-  return def_.ns + "::" + with_overload(def_.name, def_.overload);
-}
 
 std::shared_ptr<OpaqueOp> define_op(OpDefinition def) {
   std::lock_guard<std::mutex> lock(registry_mutex());

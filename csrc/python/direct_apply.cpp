@@ -73,7 +73,9 @@ const Entry* match(const DirectApply* self, PyObject* const* args, size_t n) {
 PyObject* call_entry(const Entry& e, PyObject* const* args, size_t n) {
   const auto& schema = e.op.schema();
   torch::jit::Stack stack;
-  stack.reserve(std::max(n, schema.returns().size()));
+  // (+2: the Autograd kernel pushes `_fwd`'s needs_input_grad, `_fwd` returns its
+  // residuals too: no reallocation on the way.)
+  stack.reserve(std::max(n, schema.returns().size()) + 2);
   for (size_t i = 0; i < n; ++i) {
     PyObject* a = args[i];
     if (e.tensor_arg[i] && THPVariable_Check(a)) {

@@ -120,7 +120,7 @@ bool build_stack(const Spec& spec, PyObject* const* args, size_t n, PyObject* kw
       slots[i] = args[n + k];
     }
   }
-  stack.reserve(n_args);
+  stack.reserve(std::max(n_args, spec.op.schema().returns().size()) + 2);  // as in direct_apply.cpp
   for (size_t i = 0; i < n_args; ++i) {
     if (slots[i] == nullptr) {
       if (!spec.defaults[i].has_value()) return false;

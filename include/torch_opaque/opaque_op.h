@@ -151,8 +151,8 @@ bool release_op(const OpaqueOp& op, long users);
 class OpaqueOp {
  public:
   const OpDefinition& definition() const { return def_; }
-  // "ns::Name" / "ns::Name.overload"
-  std::string qualified_name() const;
+  // "ns::Name" / "ns::Name.overload" (made once: kernels pass it on every call)
+  const std::string& qualified_name() const { return qualified_name_; }
   const c10::OperatorHandle& op() const { return op_; }
   const c10::OperatorHandle& forward_op() const { return fwd_op_; }
   const c10::OperatorHandle& backward_op() const { return bwd_op_; }
@@ -169,6 +169,7 @@ class OpaqueOp {
  private:
   std::unique_ptr<torch::Library> lib_;
   OpDefinition def_;
+  std::string qualified_name_;
   c10::OperatorHandle op_, fwd_op_, bwd_op_;
   size_t num_args_;
 };
