@@ -1,11 +1,14 @@
 """The first eager call runs the user's forward once, as stock autograd.Function
 does (Note [First call runs forward once] in torch_opaque/_impl/function.py)."""
 
+import textwrap
+
 import numpy as np
 import pytest
 import torch
 
 import torch_opaque
+from support.processes import run_python
 
 
 def counting_functions(name):
@@ -79,6 +82,52 @@ def test_first_call_runs_forward_once_with_the_same_random_draws(name, requires_
     torch.testing.assert_close(got[0], ref[0])
     torch.testing.assert_close(got[1], ref[1])
     torch.testing.assert_close(got[2], ref[2])
+
+
+@pytest.mark.parametrize("name", ["Dropoutish", "SetupStyle", "NumpyNoise"])
+@pytest.mark.parametrize("requires_grad", [True, False])
+def test_first_call_under_auto_runs_forward_once_with_the_same_random_draws(name, requires_grad):
+    # auto() used to learn the outputs from a fake run first (importing Dynamo), then,
+    # for NumpyNoise, which cannot run on fake tensors, from a second real run: three
+    # forward calls and other random numbers than stock.
+    stock_calls, Stock = counting_functions(name)
+    calls, Auto = counting_functions(name)
+    ref = run_twice(Stock, requires_grad)
+    with torch_opaque.auto() as report:
+        got = run_twice(Auto, requires_grad)
+    assert Auto in report.ops
+    assert calls["n"] == stock_calls["n"] == 2
+    torch.testing.assert_close(got[0], ref[0])
+    torch.testing.assert_close(got[1], ref[1])
+    torch.testing.assert_close(got[2], ref[2])
+
+
+def test_first_eager_call_under_auto_does_not_import_dynamo():
+    code = textwrap.dedent(
+        """
+        import sys, torch
+        import torch_opaque
+
+        class Scale(torch.autograd.Function):  # no type hints: the schema comes from the call
+            @staticmethod
+            def forward(ctx, x, k):
+                ctx.k = k
+                return x * k
+
+            @staticmethod
+            def backward(ctx, g):
+                return g * ctx.k, None
+
+        x = torch.ones(3, requires_grad=True)
+        with torch_opaque.auto() as report:
+            Scale.apply(x, 2.0).sum().backward()
+        assert Scale in report.ops, report
+        print(x.grad.tolist(), "torch._dynamo" in sys.modules)
+        """
+    )
+    out = run_python(code)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[2.0, 2.0, 2.0] False"
 
 
 def test_first_call_sees_the_needs_input_grad_of_the_call():

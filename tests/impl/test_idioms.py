@@ -502,6 +502,30 @@ def test_auto_never_raises_and_matches_stock(cls, args_fn, reason):
         assert cls in report.ops
 
 
+class CheckedScale(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, k):
+        if k <= 0:
+            raise ValueError("k must be positive")
+        ctx.k = k
+        return x * k
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * ctx.k, None
+
+
+def test_first_call_error_stock_raises_too_propagates_and_keeps_the_op():
+    with torch_opaque.auto() as report:
+        with pytest.raises(ValueError, match="k must be positive"):
+            CheckedScale.apply(torch.ones(2), -1.0)
+        assert CheckedScale not in report.fallbacks  # the user's error, not the op's
+        x = torch.ones(2, requires_grad=True)
+        CheckedScale.apply(x, 3.0).sum().backward()
+    assert CheckedScale in report.ops and CheckedScale not in report.fallbacks
+    assert x.grad.tolist() == [3.0, 3.0]
+
+
 def test_backward_stage_failure_falls_back_from_the_next_call():
     x = torch.ones(3)
     xs = x.clone().requires_grad_()

@@ -291,12 +291,10 @@ class OpaqueFunction:
 
     def apply(self, *args, **kwargs):
         values = self.bind(args, kwargs)
-        ov = self._single
-        if ov is None:
-            ov = self._by_kinds.get(kinds_key(values))
+        ov = self.defined_overload(values)
         primed = None
         if ov is None:
-            ov, primed = self._first_call(values)
+            ov, primed = self.first_call(values)
         if self.dirty:  # the results hold the arguments: no C-level apply
             return ov.call_primed(values, *primed) if primed is not None else ov(values)
         if self.explicit and not kwargs and len(args) == len(values):
@@ -309,6 +307,12 @@ class OpaqueFunction:
         if primed is not None:
             return ov.call_primed(values, *primed)
         return ov(values)
+
+    def defined_overload(self, values: list) -> Optional[Overload]:
+        """The overload already defined for these values' kinds, or None (then
+        first_call defines it)."""
+        ov = self._single
+        return ov if ov is not None else self._by_kinds.get(kinds_key(values))
 
     # ---- defining overloads ----------------------------------------------------------
 
@@ -376,7 +380,7 @@ class OpaqueFunction:
             return None
         return self.define_overload("", self.hint_specs, *returns)
 
-    def _first_call(self, values: list) -> tuple:
+    def first_call(self, values: list) -> tuple:
         """(overload, primed result or None) for a call whose kinds of arguments
         have no overload yet.
 

@@ -30,8 +30,11 @@ that says why, and runs exactly as stock PyTorch runs it. Failures can show
 up at every stage, and each is caught there:
 - definition (ineligible class, a forward that calls ``ctx.mark_dirty``,
   a signature or annotations no schema carries): never wrapped;
-- first call (schema from the values, the output probe): the call runs the
-  ordinary Function;
+- first call (schema from the values; in eager mode the forward runs once
+  for real to learn its outputs, as for wrapped classes; traced calls probe
+  with fake tensors): the call runs as the ordinary Function (if the forward
+  already ran, again, with the CPU random state before it restored), and the
+  class falls back only if that succeeds;
 - the op call itself (the forward under the op's ctx, ctx state that cannot
   be encoded, a fake kernel while tracing): the same call is run again as the
   ordinary Function (with the CPU random state of the first call restored),
@@ -245,20 +248,32 @@ def call(cls: type, args: tuple, kwargs: dict):
         return ORIGINAL_APPLY(cls, *args, **kwargs)
     if fn.explicit:
         return fn.apply(*args, **kwargs)
+    # The first eager call runs the forward once, for real, as wrapped classes do
+    # (Note [First call runs forward once]): no fake run (which imports Dynamo)
+    # and, for forwards that cannot run on fake tensors (numpy, .item()), no
+    # second real run that would draw other random numbers than stock.
+    rng = primed = None
     try:
         values = fn.bind(args, kwargs)
-        ov = fn.overload_for(values)
-    except Exception as e:  # first call: schema from the values, output probe
+        ov = fn.defined_overload(values)
+        if ov is None:
+            rng = None if _tracing(args) else torch.get_rng_state()
+            ov, primed = fn.first_call(values)
+    except Exception as e:  # first call: schema from the values, the forward's outputs
+        if rng is not None:
+            torch.set_rng_state(rng)  # stock draws what the failed run drew
+        out = ORIGINAL_APPLY(cls, *args, **kwargs)  # stock's own error propagates
         fall_back(cls, _why(e))
         warn_if_traced_inline(cls, args)
-        return ORIGINAL_APPLY(cls, *args, **kwargs)
+        return out
     first = ov.name not in fn.auto_checked
     tracing = first and _tracing(args)
-    rng = torch.get_rng_state() if first and not tracing else None
+    if primed is None:  # (primed: rng is from before the forward ran)
+        rng = torch.get_rng_state() if first and not tracing else None
     try:
         if tracing:
             check_recording(ov, values)
-        out = ov(values)
+        out = ov(values) if primed is None else ov.call_primed(values, *primed)
     except Exception as e:  # forward / fake kernel / ctx encoding under the op
         if rng is not None:
             torch.set_rng_state(rng)
