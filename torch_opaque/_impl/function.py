@@ -384,7 +384,8 @@ class OpaqueFunction:
         """(overload, primed result or None) for a call whose kinds of arguments
         have no overload yet.
 
-        Note [First call runs forward once]: an eager call learns the outputs
+        Note [First call runs forward once]: an eager call (``Cls.apply`` of a
+        wrapped class, or any Function's inside ``auto()``) learns the outputs
         from the user's forward run for real (as the op's kernel would run it:
         grad mode off, the same needs_input_grad), then hands that result to
         the kernel, so the forward runs once, as with stock autograd.Function
