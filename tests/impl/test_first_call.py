@@ -72,30 +72,21 @@ def run_twice(F, requires_grad):
 
 @pytest.mark.parametrize("name", ["Dropoutish", "SetupStyle", "NumpyNoise"])
 @pytest.mark.parametrize("requires_grad", [True, False])
-def test_first_call_runs_forward_once_with_the_same_random_draws(name, requires_grad):
-    stock_calls, Stock = counting_functions(name)
-    calls, Wrapped = counting_functions(name)
-    torch_opaque.wrap(Wrapped, name=f"Once_{name}_{requires_grad}")
-    ref = run_twice(Stock, requires_grad)
-    got = run_twice(Wrapped, requires_grad)
-    assert calls["n"] == stock_calls["n"] == 2
-    torch.testing.assert_close(got[0], ref[0])
-    torch.testing.assert_close(got[1], ref[1])
-    torch.testing.assert_close(got[2], ref[2])
-
-
-@pytest.mark.parametrize("name", ["Dropoutish", "SetupStyle", "NumpyNoise"])
-@pytest.mark.parametrize("requires_grad", [True, False])
-def test_first_call_under_auto_runs_forward_once_with_the_same_random_draws(name, requires_grad):
-    # auto() used to learn the outputs from a fake run first (importing Dynamo), then,
+@pytest.mark.parametrize("how", ["wrap", "auto"])
+def test_first_call_runs_forward_once_with_the_same_random_draws(name, requires_grad, how):
+    # (auto() used to learn the outputs from a fake run first, importing Dynamo, then,
     # for NumpyNoise, which cannot run on fake tensors, from a second real run: three
-    # forward calls and other random numbers than stock.
+    # forward calls and other random numbers than stock.)
     stock_calls, Stock = counting_functions(name)
-    calls, Auto = counting_functions(name)
+    calls, Ours = counting_functions(name)
     ref = run_twice(Stock, requires_grad)
-    with torch_opaque.auto() as report:
-        got = run_twice(Auto, requires_grad)
-    assert Auto in report.ops
+    if how == "wrap":
+        torch_opaque.wrap(Ours, name=f"Once_{name}_{requires_grad}")
+        got = run_twice(Ours, requires_grad)
+    else:
+        with torch_opaque.auto() as report:
+            got = run_twice(Ours, requires_grad)
+        assert Ours in report.ops
     assert calls["n"] == stock_calls["n"] == 2
     torch.testing.assert_close(got[0], ref[0])
     torch.testing.assert_close(got[1], ref[1])
