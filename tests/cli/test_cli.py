@@ -1,5 +1,6 @@
 """``python -m torch_opaque inspect``: golden tables for .pt2 and .onnx files, and
-graph pictures. The command runs in a fresh interpreter (sys.executable)."""
+graph pictures. The command runs in a fresh interpreter (sys.executable).
+Crafted files (escaping, live links): test_inspect_escaping.py."""
 
 import json
 import shutil
@@ -91,6 +92,16 @@ def test_pt2_table(files, tmp_path):
         opaque::ArchCube.Tensor             opaque::ArchCube.Tensor(Tensor x) -> Tensor                               1      no             opaque_fixtures.archops.Cube
         opaque::ArchMulAdd.Tensor_Tensor    opaque::ArchMulAdd.Tensor_Tensor(Tensor a, Tensor b) -> (Tensor, Tensor)  1      no             opaque_fixtures.archops.MulAdd
         opaque::ArchScaledSin.Tensor_float  opaque::ArchScaledSin.Tensor_float(Tensor x, float scale) -> Tensor       1      no             opaque_fixtures.archops.ScaledSin
+
+        all operators called (6 distinct; aten, prims and higher-order included)
+        operator                                     calls  passed as argument
+        -------------------------------------------  -----  ------------------
+        torch.ops.aten.add.Tensor                    3      0
+        torch.ops.aten.linear.default                2      0
+        torch.ops.aten.slice.Tensor                  2      0
+        torch.ops.opaque.ArchCube.Tensor             1      0
+        torch.ops.opaque.ArchMulAdd.Tensor_Tensor    1      0
+        torch.ops.opaque.ArchScaledSin.Tensor_float  1      0
         """,
         path,
     )
@@ -107,6 +118,13 @@ def test_pt2_table_self_contained(files, tmp_path):
         ----------------------------------  -------------------------------------------------------------------  -----  -------------  ---------------------------------
         opaque::ArchCube.Tensor             opaque::ArchCube.Tensor(Tensor x) -> Tensor                          1      yes (stored)   opaque_fixtures.archops.Cube
         opaque::ArchScaledSin.Tensor_float  opaque::ArchScaledSin.Tensor_float(Tensor x, float scale) -> Tensor  1      yes (stored)   opaque_fixtures.archops.ScaledSin
+
+        all operators called (3 distinct; aten, prims and higher-order included)
+        operator                                     calls  passed as argument
+        -------------------------------------------  -----  ------------------
+        torch.ops.aten.add.Tensor                    1      0
+        torch.ops.opaque.ArchCube.Tensor             1      0
+        torch.ops.opaque.ArchScaledSin.Tensor_float  1      0
         """,
         path,
     )
@@ -124,6 +142,16 @@ def test_plain_torch_export_table(files, tmp_path):
         opaque::ArchCube.Tensor             opaque::ArchCube.Tensor(Tensor x) -> Tensor                               1      no             ?
         opaque::ArchMulAdd.Tensor_Tensor    opaque::ArchMulAdd.Tensor_Tensor(Tensor a, Tensor b) -> (Tensor, Tensor)  1      no             ?
         opaque::ArchScaledSin.Tensor_float  opaque::ArchScaledSin.Tensor_float(Tensor x, float scale) -> Tensor       1      no             ?
+
+        all operators called (6 distinct; aten, prims and higher-order included)
+        operator                                     calls  passed as argument
+        -------------------------------------------  -----  ------------------
+        torch.ops.aten.add.Tensor                    3      0
+        torch.ops.aten.linear.default                2      0
+        torch.ops.aten.slice.Tensor                  2      0
+        torch.ops.opaque.ArchCube.Tensor             1      0
+        torch.ops.opaque.ArchMulAdd.Tensor_Tensor    1      0
+        torch.ops.opaque.ArchScaledSin.Tensor_float  1      0
         """,
         path,
     )

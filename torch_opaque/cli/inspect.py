@@ -17,6 +17,37 @@ the number of calls, whether a decomposition is stored in the archive
 .onnx model: every node whose domain is not '' / 'ai.onnx' / 'ai.onnx.ml', its
 domain, input and output counts, calls, and whether ``model.functions``
 holds a body for it.
+
+Every operator the serialized graphs call follows, aten, prims and
+higher-order ops included, with the number of calls and of times it is passed
+to another call as an argument (``as_operator``, e.g. the op a higher-order
+``auto_functionalized`` runs): what ``torch_opaque.load`` would run is all
+listed, not only the custom operators.
+
+Note [Strings from the file are shown escaped]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+A file is data: nothing in it may act on the user's terminal or browser. Every
+string ``inspect`` prints or draws that comes from the inspected file (targets,
+op and value names, schemas, module and class names, versions, ONNX domains,
+and error messages quoting any of them) goes through :func:`printable`, which
+writes each character ``str.isprintable`` rejects as the escape of its code
+point (``\\x1b``, ``\\x0d``, ``\\u202e``, ``\\U000e0041``): C0 and C1 controls
+(ESC starting an escape sequence or OSC 8 hyperlink, BEL, carriage return,
+newline), format characters (bidi overrides, zero-width), line and paragraph
+separators, surrogates, unassigned code points and non-ASCII spaces. So no
+escape sequence reaches the terminal, no file string breaks or overwrites a
+line or reorders the text around it, and the escape stays visible to the
+reader. Printable names, the ones torch writes, print unchanged. The tables
+escape every cell (:func:`format_table`); headers and error messages escape
+each piece they quote, paths included (a file name is data too).
+
+The picture follows the same rule and one more: Graphviz reads a label
+``<...>`` as an HTML-like label, whose ``HREF`` becomes a live link in an SVG.
+So every label is a plain DOT string (:func:`_dot_label`: escaped, then
+``graphviz.escape``, which marks it as never HTML-like and makes its
+backslashes literal), node ids are ``inspect``'s own (``n0``, ``in_0``), no
+URL/href/tooltip attribute is ever set, and the .html page escapes its own text
+with ``html.escape`` (dot escapes the SVG's text).
 """
 
 from __future__ import annotations
@@ -24,6 +55,7 @@ from __future__ import annotations
 import argparse
 import functools
 import html
+import json
 import os
 import sys
 import typing
@@ -40,11 +72,35 @@ class InspectError(TorchOpaqueError):
     """A file ``inspect`` cannot read or draw; the message says why."""
 
 
+# ---- escaping (Note [Strings from the file are shown escaped]) -----------------------------------
+
+
+def printable(s) -> str:
+    """``s`` with every character ``str.isprintable`` rejects (all but the space)
+    written as the escape of its code point: ``'a\\x1b[2Jb'`` prints as ``a\\x1b[2Jb``.
+    Printable text is returned unchanged; the result is printable, one line."""
+    s = str(s)
+    if s.isprintable():
+        return s
+    return "".join(c if c.isprintable() else _escape_char(c) for c in s)
+
+
+def _escape_char(c: str) -> str:
+    n = ord(c)
+    if n < 0x100:
+        return f"\\x{n:02x}"
+    if n < 0x10000:
+        return f"\\u{n:04x}"
+    return f"\\U{n:08x}"
+
+
 # ---- tables ------------------------------------------------------------------------------------
 
 
 def format_table(header: list, rows: list) -> str:
-    cols = [header] + rows
+    """Aligned columns; every cell shown through :func:`printable`."""
+    cols = [[printable(c) for c in r] for r in [header] + rows]
+    header, rows = cols[0], cols[1:]
     widths = [max(len(str(r[i])) for r in cols) for i in range(len(header))]
 
     def line(r):
@@ -131,6 +187,11 @@ def _first_nodes(contents) -> dict:
 
 def inspect_pt2(path: str, limits: Optional[ArchiveLimits] = None) -> str:
     contents = read_archive(path, limits)
+    return _custom_ops_section(contents) + "\n\n" + _all_operators_section(contents)
+
+
+def _custom_ops_section(contents) -> str:
+    """The header line and the table of custom operators."""
     counts = contents.custom_targets()
     first = _first_nodes(contents)
     manifest = contents.manifest
@@ -158,21 +219,54 @@ def inspect_pt2(path: str, limits: Optional[ArchiveLimits] = None) -> str:
             schema = _inferred_schema(target, node) if node else "?"
             stored, by = "no", "?"
         rows.append([f"{ns}::{name}.{overload}", schema, str(counts.get(target, 0)), stored, by])
+    where = printable(contents.path)
     if manifest is not None:
         kind = "torch_opaque archive" + (", self-contained" if manifest.self_contained else "")
         head = (
-            f"{contents.path}: {kind} (saved with torch {manifest.torch_version}), "
+            f"{where}: {kind} (saved with torch {printable(manifest.torch_version)}), "
             f"{len(manifest.ops)} opaque op(s)"
         )
     else:
         head = (
-            f"{contents.path}: plain torch.export archive (no torch_opaque manifest; schemas "
+            f"{where}: plain torch.export archive (no torch_opaque manifest; schemas "
             f"inferred from the serialized calls), {len(rows)} custom op(s)"
         )
     if not rows:
         return head + "\nno custom operators"
     table = format_table(["op", "schema", "calls", "decomposition", "defined by"], rows)
     return head + "\n" + table
+
+
+def _all_operators_section(contents) -> str:
+    """Every operator the serialized graphs call or pass as an argument, aten /
+    prims / higher-order ops included (what loading the archive would run)."""
+    uses = operator_uses(contents)
+    head = f"all operators called ({len(uses)} distinct; aten, prims and higher-order included)"
+    if not uses:
+        return head + "\nno operator calls"
+    rows = [[t, str(calls), str(as_arg)] for t, (calls, as_arg) in sorted(uses.items())]
+    return head + "\n" + format_table(["operator", "calls", "passed as argument"], rows)
+
+
+def operator_uses(contents) -> dict:
+    """Serialized target -> [calls, times passed as an ``as_operator`` argument],
+    over every node of every serialized graph (nested graphs included)."""
+    uses: dict = {}
+    for model in contents.models.values():
+        for node in json_nodes(model):
+            uses.setdefault(_target_text(node["target"]), [0, 0])[0] += 1
+            for inp in node["inputs"]:
+                arg = inp.get("arg") if isinstance(inp, dict) else None
+                op = arg.get("as_operator") if isinstance(arg, dict) else None
+                if op is not None:
+                    uses.setdefault(_target_text(op), [0, 0])[1] += 1
+    return uses
+
+
+def _target_text(target) -> str:
+    """A serialized target as listed: the string itself, anything else (a
+    malformed graph) as its JSON."""
+    return target if isinstance(target, str) else json.dumps(target)
 
 
 def _is_main(target: str) -> bool:
@@ -188,7 +282,7 @@ def _pt2_graph(path: str, limits: Optional[ArchiveLimits] = None):
     """(nodes, edges) of the first model: nodes are (id, label, kind)."""
     contents = read_archive(path, limits)
     if not contents.models:
-        raise InspectError(f"{path} holds no serialized graph to draw")
+        raise InspectError(f"{printable(path)} holds no serialized graph to draw")
     name = "model" if "model" in contents.models else sorted(contents.models)[0]
     model = contents.models[name]
     graph = model["graph_module"]["graph"]
@@ -208,7 +302,7 @@ def _pt2_graph(path: str, limits: Optional[ArchiveLimits] = None):
     nodes, edges, producer = [], [], {}
     for i, inp in enumerate(graph["inputs"]):
         for n in _names(inp):
-            nid = f"in_{n}"
+            nid = f"in_{len(nodes)}"  # inspect's own id (Note [Strings from the file are shown escaped])
             nodes.append((nid, n, kinds.get(n, "input")))
             producer[n] = nid
     for k, node in enumerate(graph["nodes"]):
@@ -266,7 +360,9 @@ def _onnx_model(path: str):
     try:
         return onnx.load(path, load_external_data=False)
     except Exception as e:
-        raise InspectError(f"cannot read ONNX model {path}: {type(e).__name__}: {e}") from e
+        raise InspectError(
+            f"cannot read ONNX model {printable(path)}: {type(e).__name__}: {printable(e)}"
+        ) from e
 
 
 def _onnx_graph_nodes(graph):
@@ -320,7 +416,7 @@ def inspect_onnx(path: str) -> str:
         f"{o.domain or 'ai.onnx'} {o.version}" for o in sorted(model.opset_import, key=lambda o: o.domain)
     )
     head = (
-        f"{path}: ONNX model (ir_version {model.ir_version}; opsets {opsets}), "
+        f"{printable(path)}: ONNX model (ir_version {model.ir_version}; opsets {printable(opsets)}), "
         f"{len(rows)} custom op(s)"
     )
     if not rows:
@@ -334,11 +430,11 @@ def _onnx_graph(path: str):
     g = model.graph
     init = {i.name for i in g.initializer}
     nodes, edges, producer = [], [], {}
-    for v in g.input:
+    for k, v in enumerate(g.input):
         if v.name in init:
             continue
-        nodes.append((f"in_{v.name}", v.name, "input"))
-        producer[v.name] = f"in_{v.name}"
+        nodes.append((f"in_{k}", v.name, "input"))  # inspect's own ids, never a name from the file
+        producer[v.name] = f"in_{k}"
     for k, node in enumerate(g.node):
         nid = f"n{k}"
         custom = node.domain not in STANDARD_ONNX_DOMAINS
@@ -350,8 +446,8 @@ def _onnx_graph(path: str):
         for o in node.output:
             if o:
                 producer[o] = nid
-    for v in g.output:
-        nid = f"out_{v.name}"
+    for k, v in enumerate(g.output):
+        nid = f"out_{k}"
         nodes.append((nid, v.name, "output"))
         if v.name in producer:
             edges.append((producer[v.name], nid))
@@ -370,14 +466,22 @@ _STYLE = {
 }
 
 
+def _dot_label(text: str) -> str:
+    """A plain DOT string label showing ``text``: escaped (Note [Strings from the
+    file are shown escaped]), never HTML-like, its backslashes literal."""
+    import graphviz
+
+    return graphviz.escape(printable(text))
+
+
 def _digraph(nodes, edges, title: str):
     try:
         import graphviz
     except ImportError as e:
         raise InspectError(f"--graph needs the 'graphviz' Python package ({e})") from e
-    dot = graphviz.Digraph(name="graph", graph_attr={"label": title, "labelloc": "t"})
+    dot = graphviz.Digraph(name="graph", graph_attr={"label": _dot_label(title), "labelloc": "t"})
     for nid, label, kind in nodes:
-        dot.node(nid, label, **_STYLE.get(kind, {}))
+        dot.node(nid, _dot_label(label), **_STYLE.get(kind, {}))
     for a, b in edges:
         dot.edge(a, b)
     return dot
@@ -388,34 +492,55 @@ def draw(path: str, out: str, kind: str, table: str, limits: Optional[ArchiveLim
     dot = _digraph(nodes, edges, os.path.basename(path) + " (custom ops highlighted)")
     ext = os.path.splitext(out)[1].lower()
     if ext == ".dot" or ext == ".gv":
-        with open(out, "w") as f:
+        with open(out, "w", encoding="utf-8") as f:
             f.write(dot.source)
         return
     if ext not in (".svg", ".png", ".html", ".htm"):
-        raise InspectError(f"--graph: unknown picture type '{ext}'; use .svg, .png, .html or .dot")
+        raise InspectError(
+            f"--graph: unknown picture type '{printable(ext)}'; use .svg, .png, .html or .dot"
+        )
+    fmt = "png" if ext == ".png" else "svg"
+    data = _render(dot, fmt, path, ext)
+    if ext in (".html", ".htm"):
+        data = _html_page(path, table, data.decode("utf-8")).encode("utf-8")
+    with open(out, "wb") as f:
+        f.write(data)
+
+
+def _render(dot, fmt: str, path: str, ext: str) -> bytes:
+    """The picture from Graphviz's ``dot``; its messages, which may quote labels,
+    are shown escaped in the error when it fails and dropped otherwise."""
     import graphviz
 
-    fmt = "png" if ext == ".png" else "svg"
     try:
-        data = dot.pipe(format=fmt)
+        return dot.pipe(format=fmt, quiet=True)
     except graphviz.ExecutableNotFound as e:
         raise InspectError(
             f"--graph {ext} needs the Graphviz 'dot' program (Debian: apt-get install graphviz); "
             f"--graph FILE.dot works without it ({e})"
         ) from e
-    if ext in (".html", ".htm"):
-        svg = data.decode("utf-8")
-        svg = svg[svg.find("<svg") :]
-        page = (
-            "<!DOCTYPE html>\n<html><head><meta charset='utf-8'>"
-            f"<title>{html.escape(os.path.basename(path))}</title>"
-            "<style>body{font-family:sans-serif} pre{background:#f6f6f6;padding:8px}</style>"
-            f"</head><body><h1>{html.escape(os.path.basename(path))}</h1>"
-            f"<pre>{html.escape(table)}</pre>\n{svg}\n</body></html>\n"
-        )
-        data = page.encode("utf-8")
-    with open(out, "wb") as f:
-        f.write(data)
+    except graphviz.CalledProcessError as e:
+        why = e.stderr.decode("utf-8", "replace") if isinstance(e.stderr, bytes) else str(e.stderr)
+        raise InspectError(
+            f"--graph {ext}: Graphviz 'dot' failed on the graph of {printable(path)} "
+            f"(exit status {e.returncode}: {printable(why.strip())}); --graph FILE.dot writes "
+            f"the graph's source without running dot"
+        ) from e
+
+
+def _html_page(path: str, table: str, svg: str) -> str:
+    """A self-contained page: the table and the picture. Its own text is
+    html-escaped; the SVG's text dot escaped (Note [Strings from the file are
+    shown escaped])."""
+    svg = svg[svg.find("<svg") :]
+    name = html.escape(printable(os.path.basename(path)))
+    return (
+        "<!DOCTYPE html>\n<html><head><meta charset='utf-8'>"
+        f"<title>{name}</title>"
+        "<style>body{font-family:sans-serif} pre{background:#f6f6f6;padding:8px}</style>"
+        f"</head><body><h1>{name}</h1>"
+        f"<pre>{html.escape(table)}</pre>\n{svg}\n</body></html>\n"
+    )
 
 
 # ---- entry point --------------------------------------------------------------------------------
@@ -430,26 +555,28 @@ def _kind(path: str) -> str:
         with open(path, "rb") as f:
             magic = f.read(4)
     except OSError as e:
-        raise InspectError(f"cannot open {path}: {e}") from e
+        raise InspectError(f"cannot open {printable(path)}: {printable(e)}") from e
     return "onnx" if magic[:1] == b"\x08" else "pt2"  # ModelProto starts with ir_version
 
 
 def inspect_file(path: str, graph: Optional[str] = None, limits: Optional[ArchiveLimits] = None) -> str:
-    """The table of custom ops of a .pt2 or .onnx file (and its picture when
-    ``graph`` names one); InspectError for anything unreadable."""
+    """The table of custom ops of a .pt2 or .onnx file (for a .pt2, then the
+    list of every operator called) and its picture when ``graph`` names one;
+    every string from the file escaped (Note [Strings from the file are shown
+    escaped]); InspectError for anything unreadable."""
     if not os.path.exists(path):
-        raise InspectError(f"{path}: no such file")
+        raise InspectError(f"{printable(path)}: no such file")
     kind = _kind(path)
     try:
         table = inspect_onnx(path) if kind == "onnx" else inspect_pt2(path, limits)
         if graph:
             draw(path, graph, kind, table, limits)
     except ArchiveError as e:
-        raise InspectError(str(e)) from e
+        raise InspectError(printable(e)) from e  # it may quote the file
     except (KeyError, TypeError, ValueError, AttributeError, IndexError, RecursionError) as e:
         # a graph JSON whose shape is not torch's (the manifest is checked on reading)
         raise InspectError(
-            f"torch_opaque: cannot inspect {path}: its serialized graph is malformed "
-            f"({type(e).__name__}: {e})."
+            f"torch_opaque: cannot inspect {printable(path)}: its serialized graph is malformed "
+            f"({type(e).__name__}: {printable(e)})."
         ) from e
     return table
