@@ -27,6 +27,7 @@ import torch
 from .._impl.bridge import SavedKind
 from ..errors import ArchiveError
 from .values import DTYPES, decode_value
+from .zipio import loads_json
 
 # The alias annotation of an in-place op's argument: Tensor(a!)
 _ALIAS_RE = re.compile(r"\([a-z]!\)")
@@ -495,9 +496,10 @@ def bad_manifest(description: str, why: str) -> ArchiveError:
 def parse_manifest(raw: bytes, description: str) -> Manifest:
     """The typed manifest, every field checked; ArchiveError naming the field."""
     try:
-        d = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
-        raise bad_manifest(description, f"{type(e).__name__}: {e}") from e
+        d = loads_json(raw.decode("utf-8"))
+    except (ValueError, RecursionError) as e:  # UnicodeDecodeError, JSONDecodeError, limits
+        why = "it is nested too deeply" if isinstance(e, RecursionError) else str(e)
+        raise bad_manifest(description, f"{type(e).__name__}: {why}") from e
     try:
         o = _Obj(d, "")
         if d.get("format") != FORMAT:

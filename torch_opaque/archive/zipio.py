@@ -22,12 +22,29 @@ inflates hundreds of times is a bomb). Reads then go through zipfile's stream
 in chunks and stop at the declared size, so an entry whose header lies cannot
 inflate further; zipfile checks the CRC at the end of each entry. Each kind's
 limit can be raised with ``torch_opaque.load(..., limits=ArchiveLimits(...))``.
+
+Note [Central directory before zipfile]
+``zipfile.ZipFile`` builds a ZipInfo for every record of the central directory
+as soon as it opens a file, walking the directory by its declared byte size,
+not by its entry count: 1M records (a 55 MiB file) cost over 100 MiB, and CPU
+in proportion, before the number of entries could be checked. So ZipReader first reads
+the end-of-central-directory record (and the zip64 one) from the file's tail,
+the same record zipfile will use, and refuses an entry count over
+``ArchiveLimits.entries``, a directory size that cannot hold that many records
+(46 to 46 + 3 * 65535 bytes each) or that exceeds ``ArchiveLimits.metadata``;
+then it walks the record headers itself (struct only, no objects) and refuses a
+directory holding more records than its end record declares, or (where a
+classic end record says 65535, which writers without zip64 saturate) more than
+``entries``. Only then does zipfile parse it, at most ``entries`` records.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
+import math
 import os
+import struct
 import zipfile
 import zlib
 from typing import Optional
@@ -76,6 +93,58 @@ _ZIP_ERRORS = (
 _CHUNK = 1 * MiB
 _KINDS = ("manifest", "model", "program", "tensors", "other")
 
+# The zip records read before zipfile parses anything (Note [Central directory
+# before zipfile]); the same layouts and search as CPython's zipfile.
+_EOCD = struct.Struct("<4s4H2LH")  # end of central directory: 22 bytes + comment
+_EOCD_SIG = b"PK\x05\x06"
+_EOCD64_LOCATOR = struct.Struct("<4sLQL")  # 20 bytes, just before the EOCD
+_EOCD64_LOCATOR_SIG = b"PK\x06\x07"
+_EOCD64 = struct.Struct("<4sQ2H2L4Q")  # 56 bytes, just before the locator
+_EOCD64_SIG = b"PK\x06\x06"
+_CD_RECORD = struct.Struct("<4s4B4HL2L5H2L")  # a central-directory record: 46 bytes + name/extra/comment
+_CD_SIG = b"PK\x01\x02"
+_MAX_COMMENT = 1 << 16  # zipfile searches the last 64 KiB + 22 bytes for the EOCD
+_MAX_CD_RECORD = _CD_RECORD.size + 3 * 0xFFFF
+
+
+# Integers of JSON entries: torch writes int64 values (19 digits and a sign) and
+# unsigned 64-bit ones at most; beyond that json.loads would spend quadratic time
+# (and Python refuses more than 4300 digits with a ValueError naming no entry).
+MAX_JSON_INT_DIGITS = 20
+
+
+def _json_int(s: str) -> int:
+    digits = len(s) - (s[:1] == "-")
+    if digits > MAX_JSON_INT_DIGITS:
+        raise ValueError(
+            f"it holds an integer of {digits} digits ({s[:12]}...); torch writes 64-bit "
+            f"integers, at most {MAX_JSON_INT_DIGITS} digits"
+        )
+    return int(s)
+
+
+def _json_float(s: str) -> float:
+    v = float(s)
+    if not math.isfinite(v):
+        raise ValueError(f"it holds the number {s[:24]!r}, which overflows a float")
+    return v
+
+
+def _json_constant(s: str):
+    raise ValueError(
+        f"it holds a bare {s}, which is not JSON (torch writes non-finite floats as the "
+        f"strings \"Infinity\", \"-Infinity\", \"NaN\")"
+    )
+
+
+def loads_json(text):
+    """``json.loads`` for the JSON entries of an archive: integers of at most
+    :data:`MAX_JSON_INT_DIGITS` digits, finite floats, no bare NaN/Infinity
+    (torch and torch_opaque write neither). Every failure is a ValueError
+    (json.JSONDecodeError among them) or a RecursionError (nesting too deep);
+    callers turn it into an ArchiveError naming the entry."""
+    return json.loads(text, parse_int=_json_int, parse_float=_json_float, parse_constant=_json_constant)
+
 
 def describe(path) -> str:
     if isinstance(path, (str, os.PathLike)):
@@ -115,8 +184,12 @@ class ZipReader:
             self.file = path
             self.pos = path.tell() if hasattr(path, "tell") else None
         try:
+            self._check_central_directory()
             self.zf = zipfile.ZipFile(self.file)
             infos = self.zf.infolist()
+        except ArchiveError:  # a RuntimeError: before _ZIP_ERRORS
+            self.close()
+            raise
         except _ZIP_ERRORS as e:
             self.close()
             raise self.unreadable(e) from e
@@ -135,13 +208,104 @@ class ZipReader:
             f"torch.export.save / torch_opaque.save."
         )
 
+    def _too_many_entries(self, count: int, at_least: bool = False) -> ArchiveError:
+        return ArchiveError(
+            f"torch_opaque: {self.description} has {'at least ' if at_least else ''}{count} "
+            f"entries, more than the "
+            f"limit of {self.limits.entries} (raise it with "
+            f"limits=ArchiveLimits(entries=...) if you trust the file)."
+        )
+
+    def _end_record(self) -> Optional[tuple]:
+        """(entry count, central directory size, its offset in the file, whether
+        the count came from a zip64 record) from the end-of-central-directory
+        record zipfile would use (and its zip64 record), or None where there is
+        none (zipfile then refuses the file)."""
+        f = self.file
+        f.seek(0, 2)
+        filesize = f.tell()
+        tail_start = max(filesize - _MAX_COMMENT - _EOCD.size, 0)
+        f.seek(tail_start)
+        tail = f.read(filesize - tail_start)
+        if len(tail) >= _EOCD.size and tail[-_EOCD.size : -_EOCD.size + 4] == _EOCD_SIG and tail[-2:] == b"\0\0":
+            start = len(tail) - _EOCD.size  # no comment: zipfile's first try
+        else:
+            start = tail.rfind(_EOCD_SIG)
+            if start < 0 or len(tail) - start < _EOCD.size:
+                return None
+        _, _, _, n_disk, n_total, cd_size, _, _ = _EOCD.unpack_from(tail, start)
+        count = max(n_disk, n_total)
+        location = tail_start + start  # of the EOCD in the file
+        cd_end = location
+        zip64 = False
+        if location >= _EOCD64_LOCATOR.size:
+            f.seek(location - _EOCD64_LOCATOR.size)
+            loc = f.read(_EOCD64_LOCATOR.size)
+            if len(loc) == _EOCD64_LOCATOR.size and loc[:4] == _EOCD64_LOCATOR_SIG:
+                _, z64_disk, _, disks = _EOCD64_LOCATOR.unpack(loc)
+                if z64_disk != 0 or disks > 1:
+                    raise ArchiveError(
+                        f"torch_opaque: cannot read {self.description}: it spans several "
+                        f"disks (a multi-part zip), which pt2 archives never do."
+                    )
+                z64_at = location - _EOCD64_LOCATOR.size - _EOCD64.size
+                if z64_at >= 0:
+                    f.seek(z64_at)
+                    z64 = f.read(_EOCD64.size)
+                    if len(z64) == _EOCD64.size and z64[:4] == _EOCD64_SIG:
+                        (_, _, _, _, _, _, n_disk, n_total, cd_size, _) = _EOCD64.unpack(z64)
+                        count = max(n_disk, n_total)
+                        cd_end = z64_at
+                        zip64 = True
+        return count, cd_size, cd_end - cd_size, zip64
+
+    def _check_central_directory(self) -> None:
+        """Note [Central directory before zipfile]."""
+        end = self._end_record()
+        if end is None:
+            return  # not a zip file: zipfile says so
+        count, cd_size, cd_start, zip64 = end
+        if count > self.limits.entries:
+            raise self._too_many_entries(count)
+        if not count * _CD_RECORD.size <= cd_size <= count * _MAX_CD_RECORD:
+            raise ArchiveError(
+                f"torch_opaque: {self.description} has a zip central directory of {cd_size} "
+                f"bytes for {count} entries, which cannot be (each record takes "
+                f"{_CD_RECORD.size} to {_MAX_CD_RECORD} bytes); the archive was crafted or "
+                f"corrupted."
+            )
+        if cd_size > self.limits.metadata:
+            raise ArchiveError(
+                f"torch_opaque: {self.description} has a zip central directory of {cd_size} "
+                f"bytes, more than the metadata limit of {self.limits.metadata} bytes. Raise "
+                f"it with limits=ArchiveLimits(metadata=...) if you trust the file."
+            )
+        if cd_start < 0:
+            return  # zipfile refuses it ("Bad offset for central directory")
+        self.file.seek(cd_start)
+        data = self.file.read(cd_size)
+        # a classic end record that says 65535 may stand for more (writers without
+        # zip64 saturate it): the records are then counted up to the limit only
+        saturated = count == 0xFFFF and not zip64
+        pos = records = 0
+        while pos < cd_size:
+            if records >= self.limits.entries:
+                raise self._too_many_entries(records + 1, at_least=True)
+            if records >= count and not saturated:
+                raise ArchiveError(
+                    f"torch_opaque: the zip central directory of {self.description} holds more "
+                    f"records than the {count} its end record declares; the archive was "
+                    f"crafted or corrupted."
+                )
+            if len(data) - pos < _CD_RECORD.size or data[pos : pos + 4] != _CD_SIG:
+                return  # truncated or not a record: zipfile refuses it
+            rec = _CD_RECORD.unpack_from(data, pos)
+            pos += _CD_RECORD.size + rec[12] + rec[13] + rec[14]
+            records += 1
+
     def _check_directory(self, infos) -> None:
         if len(infos) > self.limits.entries:
-            raise ArchiveError(
-                f"torch_opaque: {self.description} has {len(infos)} entries, more than the "
-                f"limit of {self.limits.entries} (raise it with "
-                f"limits=ArchiveLimits(entries=...) if you trust the file)."
-            )
+            raise self._too_many_entries(len(infos))
         seen = set()
         for i in infos:
             why = bad_name(i.filename)
