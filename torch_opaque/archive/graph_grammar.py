@@ -170,6 +170,33 @@ def _hints(cls) -> dict:
     return typing.get_type_hints(cls, globalns=vars(schema))
 
 
+@functools.lru_cache(maxsize=None)
+def _kind(tp) -> tuple:
+    """(kind, parameter) of a schema type, worked out once per type."""
+    schema, union = _schema()
+    origin = typing.get_origin(tp)
+    if origin is typing.Annotated:
+        return _kind(tp.__origin__)
+    if origin in (typing.Union, types.UnionType):
+        (arg,) = [a for a in typing.get_args(tp) if a is not type(None)]
+        return "optional", arg
+    if isinstance(tp, typing.ForwardRef):
+        return _kind(getattr(schema, tp.__forward_arg__))
+    if isinstance(tp, str):
+        return _kind(getattr(schema, tp))
+    if isinstance(tp, type) and issubclass(tp, union._Union):
+        return "union", tp
+    if dataclasses.is_dataclass(tp):
+        return "dataclass", tp
+    if origin is list:
+        return "list", typing.get_args(tp)[0]
+    if origin is dict:
+        return "dict", typing.get_args(tp)[1]
+    if isinstance(tp, type) and issubclass(tp, enum.IntEnum):
+        return "enum", tp
+    return {str: "str", bool: "bool", int: "int", float: "float"}.get(tp, "unknown"), None
+
+
 class _Invalid(Exception):
     def __init__(self, path: str, why: str):
         self.path, self.why = path, why
@@ -181,6 +208,7 @@ class ProgramFacts:
 
     targets: dict = dataclasses.field(default_factory=dict)
     nodes: int = 0
+    program: Any = None  # the schema ExportedProgram built from the checked JSON
 
 
 class _Walker:
@@ -194,64 +222,53 @@ class _Walker:
         self.graph_depth = 0
 
     def walk(self, tp, v, path: str, owner: str = "", field: str = ""):
-        origin = typing.get_origin(tp)
-        if origin is typing.Annotated:
-            return self.walk(tp.__origin__, v, path, owner, field)
-        if origin in (typing.Union, types.UnionType):
-            args = [a for a in typing.get_args(tp) if a is not type(None)]
-            if v is None:
-                return v
-            return self.walk(args[0], v, path, owner, field)
-        if isinstance(tp, typing.ForwardRef):
-            tp = getattr(self.schema, tp.__forward_arg__)
-        if isinstance(tp, str):
-            tp = getattr(self.schema, tp)
-        if isinstance(tp, type) and issubclass(tp, self.Union):
-            return self.union(tp, v, path)
-        if dataclasses.is_dataclass(tp):
-            return self.obj(tp, v, path)
-        if origin is list:
+        """The schema object `v` stands for, built from checked parts only."""
+        kind, arg = _kind(tp)
+        if kind == "optional":
+            return None if v is None else self.walk(arg, v, path, owner, field)
+        if kind == "union":
+            return self.union(arg, v, path)
+        if kind == "dataclass":
+            return self.obj(arg, v, path)
+        if kind == "list":
             if not isinstance(v, list):
                 raise _Invalid(path, "it is not a list")
-            (item,) = typing.get_args(tp)
-            for i, x in enumerate(v):
-                v[i] = self.walk(item, x, f"{path}[{i}]", owner, field)
-            return v
-        if origin is dict:
+            return [self.walk(arg, x, f"{path}[{i}]", owner, field) for i, x in enumerate(v)]
+        if kind == "dict":
             if not isinstance(v, dict):
                 raise _Invalid(path, "it is not an object")
-            _, item = typing.get_args(tp)
             key_rule = _STR_RULES.get((owner, field), _text)
-            for k in list(v):
+            out = {}
+            for k, x in v.items():
                 why = key_rule(k)
                 if why is not None:
                     raise _Invalid(f"{path}[{k!r:.60}]", f"the key {why}")
-                v[k] = self.walk(item, v[k], f"{path}[{k!r:.60}]", owner, field)
-            return v
-        if tp is str:
+                out[k] = self.walk(arg, x, f"{path}[{k!r:.60}]", owner, field)
+            return out
+        if kind == "str":
             if owner == "SymExpr" and field == "expr_str":
                 return self.expr(v, path)
             why = _STR_RULES.get((owner, field), _text)(v)
             if why is not None:
                 raise _Invalid(path, why)
             return v
-        if tp is bool:
+        if kind == "bool":
             if not isinstance(v, bool):
                 raise _Invalid(path, "it is not true or false")
             return v
-        if tp is int:
+        if kind == "int":
             if not isinstance(v, int) or isinstance(v, bool) or not INT64[0] <= v <= INT64[1]:
                 raise _Invalid(path, "it is not an integer in the int64 range")
             return v
-        if tp is float:
+        if kind == "float":
             if isinstance(v, str) and v in ("Infinity", "-Infinity", "NaN"):
-                return v
+                return float(v)
             if not isinstance(v, (int, float)) or isinstance(v, bool):
                 raise _Invalid(path, "it is not a number")
-            return v
-        if isinstance(tp, type) and issubclass(tp, enum.IntEnum):
-            if not isinstance(v, int) or isinstance(v, bool) or v not in tp._value2member_map_:
-                raise _Invalid(path, f"it is not a {tp.__name__} value")
+            return float(v)
+        if kind == "enum":
+            if not isinstance(v, int) or isinstance(v, bool) or v not in arg._value2member_map_:
+                raise _Invalid(path, f"it is not a {arg.__name__} value")
             return v
         raise _Invalid(path, f"torch_opaque does not read values of type {tp!r}")
 
@@ -263,41 +280,44 @@ class _Walker:
         if tag not in hints:
             raise _Invalid(path, f"{tag!r:.60} is not a kind of {tp.__name__}")
         if tp.__name__ == "Argument" and tag == "as_operator":
-            self.operator(body, f"{path}.as_operator", v, tag)
-            return v
+            return tp.create(as_operator=self.operator(body, f"{path}.as_operator"))
         if tp.__name__ == "Argument" and tag == "as_graph":
             self.graph_depth += 1
             if self.graph_depth > MAX_GRAPH_DEPTH:
                 raise _Invalid(path, f"graphs are nested more than {MAX_GRAPH_DEPTH} deep")
-            v[tag] = self.walk(hints[tag], body, f"{path}.{tag}", tp.__name__, tag)
+            out = tp.create(as_graph=self.walk(hints[tag], body, f"{path}.{tag}", tp.__name__, tag))
             self.graph_depth -= 1
-            return v
-        v[tag] = self.walk(hints[tag], body, f"{path}.{tag}", tp.__name__, tag)
-        return v
+            return out
+        return tp.create(**{tag: self.walk(hints[tag], body, f"{path}.{tag}", tp.__name__, tag)})
 
     def obj(self, tp, v, path: str):
         if not isinstance(v, dict):
             raise _Invalid(path, f"a {tp.__name__} is an object")
         hints = _hints(tp)
         name = tp.__name__
-        for k in v:
+        fields = {}
+        for k, x in v.items():
             if k not in hints:
                 raise _Invalid(
                     f"{path}.{k!s:.60}",
                     f"{name} has no such field in torch's schema (was the archive written by a "
                     f"newer torch?)",
                 )
-        if name == "Node":
-            self.node(v, path)
-        if name == "ExportedProgram" and "guards_code" in v:
-            v["guards_code"] = self.guards(v["guards_code"], f"{path}.guards_code")
-        for k in list(v):
-            if name == "Node" and k in ("target", "metadata"):
-                continue
-            if name == "ExportedProgram" and k == "guards_code":
-                continue
-            v[k] = self.walk(hints[k], v[k], f"{path}.{k}", name, k)
-        return v
+            if name == "Node" and k == "target":
+                self.node(v, path)
+                fields[k] = self.operator(x, f"{path}.target")
+            elif name == "Node" and k == "metadata":
+                fields[k] = self.metadata(x, f"{path}.metadata")
+            elif name == "ExportedProgram" and k == "guards_code":
+                fields[k] = self.guards(x, f"{path}.guards_code")
+            else:
+                fields[k] = self.walk(hints[k], x, f"{path}.{k}", name, k)
+        if name == "Node" and "target" not in v:
+            raise _Invalid(path, "a node has a target")
+        try:
+            return tp(**fields)
+        except TypeError as e:  # a required field is missing
+            raise _Invalid(path, f"it is not a complete {name} ({e})") from None
 
     def node(self, v: dict, path: str) -> None:
         self.facts.nodes += 1
@@ -307,32 +327,28 @@ class _Walker:
                 f"the program has more than {self.limits.nodes} nodes (raise it with "
                 f"limits=ArchiveLimits(nodes=...) if you trust the file)",
             )
-        self.operator(v.get("target"), f"{path}.target", v, "target")
-        meta = v.get("metadata", {})
+
+    def metadata(self, meta, path: str) -> dict:
         if not isinstance(meta, dict):
-            raise _Invalid(f"{path}.metadata", "it is not an object")
+            raise _Invalid(path, "it is not an object")
         for k, s in meta.items():
-            p = f"{path}.metadata[{k!r:.40}]"
+            p = f"{path}[{k!r:.40}]"
             why = check_name(k) or _META_VALUE.get(k, _text)(s)
             if why is None and k == "source_fn_stack":
                 if not all(_SOURCE_FN_RE.match(item) for item in s.split(";")):
                     why = "it is not a list of 'name,target' pairs"
             if why is not None:
                 raise _Invalid(p, why)
+        return dict(meta)
 
-    def operator(self, t, path: str, holder: dict, key: str) -> None:
+    def operator(self, t, path: str) -> str:
         why = op_policy.check_target(t, self.custom_ok)
         if why is not None:
             raise _Invalid(path, why)
         self.facts.targets[t] = self.facts.targets.get(t, 0) + 1
-        if t in self.rename:
-            holder[key] = self.rename[t]
+        return self.rename.get(t, t)
 
     def expr(self, v, path: str):
-        from sympy import Basic
-
-        if isinstance(v, Basic):  # parsed by an earlier walk of the same JSON
-            return v
         try:
             return parse_sym_expr(v)
         except SymExprError as e:
@@ -419,14 +435,16 @@ def _guard_node(node) -> Optional[str]:
 
 
 def check_program_json(model, where: str, description: str, limits, rename: dict, custom_ok) -> ProgramFacts:
-    """Checks a model JSON against the grammar (Note [The graph grammar]), in
-    place: expressions become sympy objects, guards our rendering, call targets
-    are renamed by `rename`. `custom_ok(target)` says whether an operator outside
-    torch's own namespaces may be called. ArchiveError names the part."""
+    """Reads a model JSON against the grammar (Note [The graph grammar]) and
+    builds torch's schema objects from the checked parts: expressions become
+    sympy objects, guards our rendering, call targets are renamed by `rename`.
+    `custom_ok(target)` says whether an operator outside torch's own namespaces
+    may be called. ArchiveError names the part; the JSON is not changed. The
+    built ``torch._export.serde.schema.ExportedProgram`` is ``facts.program``."""
     schema, _ = _schema()
     w = _Walker(limits, rename, custom_ok)
     try:
-        w.walk(schema.ExportedProgram, model, "program")
+        w.facts.program = w.walk(schema.ExportedProgram, model, "program")
     except _Invalid as e:
         raise ArchiveError(
             f"torch_opaque.load: {where} in {description} is not a program torch_opaque loads: "

@@ -223,6 +223,16 @@ class Manifest:
     def program_names(self) -> list:
         return [n for op in self.ops for ov in op.overloads for v in ov.variants for n in (v.fwd, v.bwd)]
 
+    def targets(self) -> set:
+        """'torch.ops.ns.name.overload' of every overload the manifest describes,
+        and of its forward and backward ops (which training programs call)."""
+        return {
+            f"torch.ops.{op.namespace}.{op.name}{part}.{ov.overload}"
+            for op in self.ops
+            for ov in op.overloads
+            for part in ("", "_fwd", "_bwd")
+        }
+
     def to_json(self) -> str:
         d = {
             "format": FORMAT,

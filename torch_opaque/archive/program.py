@@ -9,15 +9,15 @@ Its graph deserializer also hands expression strings to ``sympy.sympify``
 the ``torch``, ``math`` and ``operator`` modules. torch_opaque therefore reads
 the archive itself, following the layout written by torch/export/pt2_archive:
 
-* ``models/<name>.json`` is parsed as JSON; before torch's deserializer sees
-  it, every call target must be an operator (``torch.ops.ns.name.overload``)
-  or one of the symbolic-size operators torch serializes, and every symbolic
-  expression must consist of numbers, operators, size symbols and the known
-  sympy functions (so evaluating it can reach nothing else), and every guard
-  (``guards_code``, which ``ExportedProgram.module()`` exec()s) must be a
-  comparison of input sizes (``L['x'].size()[0] > 3``). After
+* ``models/<name>.json`` is parsed as JSON and read against a closed grammar
+  before torch's deserializer sees it (Note [The graph grammar] in
+  graph_grammar.py): names are identifiers, call targets operators a loaded
+  program may call (Note [Operators a loaded program may call] in
+  op_policy.py), symbolic expressions are parsed by our own parser into sympy
+  objects (sym_expr.py), guards are checked comparisons of input sizes. After
   deserialization every call is checked again to be an OpOverload, a
-  HigherOrderOperator or a symbolic-size operator;
+  HigherOrderOperator or a symbolic-size operator, and a stored program may
+  not write to its inputs;
 * weights and tensor constants are rebuilt from their raw bytes and the tensor
   metadata of ``data/*/<name>_*_config.json``; a payload torch pickled (tensor
   subclasses) is read with ``torch.load(weights_only=True)`` and never with a
@@ -32,38 +32,37 @@ within its size limit (Note [Size limits]).
 
 Example::
 
-    >>> from torch_opaque.archive.program import check_guard, check_sym_expr
-    >>> check_sym_expr("Mul(Integer(2), Symbol('s0', positive=True, integer=True))") is None
-    True
-    >>> check_sym_expr("__import__('os').system('ls')")
-    "unknown name '__import__'"
-    >>> check_guard("L['x'].size()[0] > 3") is None
-    True
+    >>> from torch_opaque.archive.program import check_model_json
+    >>> check_model_json({"graph_module": {"graph": {"inputs": [], "outputs": [], "nodes": [
+    ...     {"target": "torch.os.system", "inputs": [], "outputs": [], "metadata": {}}],
+    ...     "tensor_values": {}, "sym_int_values": {}, "sym_bool_values": {}}}}, "m.json", "f.pt2", {})
+    Traceback (most recent call last):
+    ...
+    torch_opaque.errors.ArchiveError: torch_opaque.load: m.json in f.pt2 is not a program torch_opaque loads: program.graph_module.graph.nodes[0].target: 'torch.os.system' is not an operator a loaded program may call (only torch.ops.<namespace>.<op>.<overload> and symbolic-size arithmetic may be called). The archive was crafted or corrupted; it is not loaded.
 """
 
 from __future__ import annotations
 
-import ast
+import contextlib
 import dataclasses
+import gc
 import io
-import json
-import operator
 import pickle
 import re
-from typing import Optional
 
 import functools
 
 import torch
 
 from ..errors import ArchiveError
-from .zipio import ZipReader
+from .graph_grammar import check_program_json
+from .op_policy import check_stored_graph, sym_targets
+from .zipio import ArchiveLimits, ZipReader
 
 MODELS_DIR = "models/"
 WEIGHTS_DIR = "data/weights/"
 CONSTANTS_DIR = "data/constants/"
 EXTRA_DIR = "extra/"
-_OP_TARGET_RE = re.compile(r"^torch\.ops\.[A-Za-z_][A-Za-z0-9_]*\.[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)?$")
 _PAYLOAD_NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,256}$")
 
 
@@ -75,153 +74,58 @@ def _serde():
     return schema, serialize
 
 
-@functools.lru_cache(maxsize=None)
-def sym_targets() -> dict:
-    """Serialized name -> function, for the symbolic-size operators torch writes."""
-    _, serialize = _serde()
-    out = {f"{op.__module__}.{op.__name__}": op for op in serialize._SYM_OPS}
-    out["_operator.getitem"] = operator.getitem
-    return out
-
-# ---- symbolic expressions ------------------------------------------------------------------
-
-_SYMPY_NAMES = {
-    # torch.utils._sympy.functions (the deserializer's own table)
-    "FloorDiv", "ModularIndexing", "Where", "PythonMod", "Mod", "CleanDiv", "CeilToInt",
-    "FloorToInt", "CeilDiv", "LShift", "RShift", "PowByNatural", "FloatPow", "FloatTrueDiv",
-    "IntTrueDiv", "IsNonOverlappingAndDenseIndicator", "TruncToFloat", "TruncToInt",
-    "RoundToInt", "RoundDecimal", "ToFloat", "Identity",
-    # sympy names str(expr) prints
-    "Max", "Min", "Abs", "Eq", "Ne", "Lt", "Le", "Gt", "Ge", "StrictLessThan",
-    "StrictGreaterThan", "LessThan", "GreaterThan", "Equality", "Unequality", "And", "Or",
-    "Not", "Xor", "oo", "zoo", "nan", "True", "False", "Integer", "Rational", "Float", "sqrt",
-    "floor", "ceiling", "Piecewise", "ExprCondPair", "ITE", "Pow", "Mul", "Add", "S", "E",
-    "pi", "I", "Symbol", "true", "false", "Half", "One", "NegativeOne", "Zero", "Infinity",
-    "NegativeInfinity",
-    # assumptions and options srepr prints as keywords: Symbol('s0', positive=True)
-    "positive", "negative", "nonnegative", "nonpositive", "integer", "real", "finite",
-    "commutative", "nonzero", "zero", "even", "odd", "rational", "extended_real", "precision",
-}  # fmt: skip
-_SYMBOL_RE = re.compile(r"^[a-z]{1,8}[0-9]{1,9}$")  # s0, u3, zuf0, ps1...
-# srepr output: Mul(Integer(2), Symbol('s0', positive=True, integer=True)); strings
-# only name symbols or spell numbers.
-_EXPR_TOKEN = re.compile(
-    r"\s+|[A-Za-z_][A-Za-z0-9_]*|[0-9]+(\.[0-9]*)?([eE][-+]?[0-9]+)?|'[A-Za-z0-9_.+-]{1,64}'"
-    r"|\*\*|//|==|!=|<=|>=|[-+*/%(),<>&|~^=]"
-)
-
-
-def check_sym_expr(expr: str) -> Optional[str]:
-    """Why a serialized symbolic expression is not plain arithmetic, or None."""
-    if len(expr) > 100_000:
-        return "it is too long"
-    pos = 0
-    while pos < len(expr):
-        m = _EXPR_TOKEN.match(expr, pos)
-        if m is None:
-            return f"unexpected {expr[pos:pos + 10]!r}"
-        tok = m.group(0)
-        if tok[0].isalpha() or tok[0] == "_":
-            if tok not in _SYMPY_NAMES and not _SYMBOL_RE.match(tok):
-                return f"unknown name {tok!r}"
-        pos = m.end()
-    return None
-
-
-# ---- guards ----------------------------------------------------------------------------------
-
-# ExportedProgram.module() turns the program's guards_code into Python source
-# and exec()s it; each guard must be a comparison of input sizes.
-_GUARD_METHODS = {"size", "stride", "storage_offset", "dim", "numel"}
-_GUARD_FUNCS = {"Max", "Min", "abs", "int", "float", "bool"}
-_GUARD_NODES = (
-    ast.Expression, ast.Compare, ast.BoolOp, ast.UnaryOp, ast.BinOp, ast.Constant, ast.Subscript,
-    ast.Call, ast.Name, ast.Attribute, ast.Load, ast.And, ast.Or, ast.Not, ast.USub, ast.UAdd,
-    ast.Add, ast.Sub, ast.Mult, ast.Div, ast.FloorDiv, ast.Mod, ast.Pow, ast.Eq, ast.NotEq,
-    ast.Lt, ast.LtE, ast.Gt, ast.GtE,
-)  # fmt: skip
-
-
-def check_guard(code) -> Optional[str]:
-    """Why a serialized guard is not a plain check of input sizes, or None."""
-    if not isinstance(code, str) or len(code) > 10_000:
-        return "it is not a short string"
-    try:
-        tree = ast.parse(code, mode="eval")
-    except (SyntaxError, ValueError, RecursionError) as e:
-        return f"it does not parse ({type(e).__name__})"
-    for node in ast.walk(tree):
-        if not isinstance(node, _GUARD_NODES):
-            return f"{type(node).__name__} is not allowed"
-        if isinstance(node, ast.Name) and node.id != "L" and node.id not in _GUARD_FUNCS:
-            return f"unknown name {node.id!r}"
-        if isinstance(node, ast.Constant) and not isinstance(node.value, (int, float, str)):
-            return f"constant {node.value!r} is not allowed"
-        if isinstance(node, ast.Constant) and isinstance(node.value, str) and not re.match(r"^[A-Za-z_][A-Za-z0-9_]*$", node.value):
-            return f"key {node.value!r} is not an input name"
-        if isinstance(node, ast.Attribute) and node.attr not in _GUARD_METHODS:
-            return f"attribute {node.attr!r} is not allowed"
-        if isinstance(node, ast.Call):
-            f = node.func
-            if node.keywords or not (
-                (isinstance(f, ast.Attribute) and f.attr in _GUARD_METHODS and len(node.args) <= 1)
-                or (isinstance(f, ast.Name) and f.id in _GUARD_FUNCS)
-            ):
-                return "a call that is not a size query"
-    return None
-
-
 # ---- the model JSON ------------------------------------------------------------------------
 
 
-def check_model_json(model, where: str, description: str, rename: dict) -> None:
-    """Refuses call targets and expressions that are not plain operators or
-    arithmetic; renames targets (Note [Stored ops beside real ones]) in place."""
-    guards = model.get("guards_code") if isinstance(model, dict) else None
-    for g in guards or []:
-        why = check_guard(g)
-        if why is not None:
-            raise ArchiveError(
-                f"torch_opaque.load: {where} in {description} has the guard {str(g)[:80]!r}, "
-                f"which is not a plain check of input sizes ({why}); torch would run it as "
-                f"Python code. The archive was crafted; it is not loaded."
-            )
-    stack = [model]
-    while stack:
-        o = stack.pop()
-        if isinstance(o, dict):
-            if "target" in o and "inputs" in o and "outputs" in o:
-                t = o["target"]
-                if not isinstance(t, str) or not (_OP_TARGET_RE.match(t) or t in sym_targets()):
-                    raise ArchiveError(
-                        f"torch_opaque.load: {where} in {description} calls {t!r}, which is "
-                        f"not an operator; only torch.ops.<namespace>.<op>.<overload> and "
-                        f"symbolic-size arithmetic may be called. The archive was crafted; it "
-                        f"is not loaded."
-                    )
-                if t in rename:
-                    o["target"] = rename[t]
-            e = o.get("expr_str")
-            if e is not None:
-                why = check_sym_expr(e) if isinstance(e, str) else "it is not a string"
-                if why is not None:
-                    raise ArchiveError(
-                        f"torch_opaque.load: {where} in {description} has the symbolic "
-                        f"expression {str(e)[:80]!r}, which is not plain arithmetic ({why}). "
-                        f"The archive was crafted; it is not loaded."
-                    )
-            stack.extend(o.values())
-        elif isinstance(o, list):
-            stack.extend(o)
+def registered_op(t: str) -> bool:
+    """Whether a serialized target 'torch.ops.ns.name.overload' names an
+    operator this process has registered (not one a file defined)."""
+    from ..ops import schema_or_none
+
+    parts = t.split(".")
+    return len(parts) == 5 and schema_or_none(parts[2], parts[3], parts[4]) is not None
+
+
+def check_model_json(model, where: str, description: str, rename: dict, limits=None, described=()):
+    """Reads a model JSON against the closed grammar (Note [The graph grammar]
+    in graph_grammar.py); returns what it found (``.targets``, ``.nodes``) and
+    the schema object built from the checked parts (``.program``). Operators
+    outside torch's own namespaces may be called when this process registered
+    them, the manifest describes them (`described`) or `rename` maps them to a
+    stored overload."""
+    described = set(described)
+
+    def custom_ok(t: str) -> bool:
+        return t in rename or t in described or registered_op(t)
+
+    with gc_paused():
+        return check_program_json(model, where, description, limits or ArchiveLimits(), rename, custom_ok)
+
+
+@contextlib.contextmanager
+def gc_paused():
+    """No cyclic GC while a program is read (Note [Linear reading])."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def parse_json(raw: str, where: str, description: str):
+    """A JSON entry (a graph, a payload config) within the bounds of
+    :func:`~torch_opaque.archive.zipio.loads_json`; ArchiveError naming it."""
+    from .zipio import loads_json
+
     try:
-        return json.loads(raw)
-    except (json.JSONDecodeError, RecursionError) as e:
+        return loads_json(raw)
+    except (ValueError, RecursionError) as e:
+        why = "it is nested too deeply" if isinstance(e, RecursionError) else str(e)
         raise ArchiveError(
-            f"torch_opaque: the serialized graph '{where}' in {description} is corrupted "
-            f"({type(e).__name__}: {e})."
+            f"torch_opaque: the JSON entry '{where}' in {description} is corrupted or crafted "
+            f"({type(e).__name__}: {why})."
         ) from e
 
 
@@ -261,26 +165,104 @@ def _check_payload_name(name, where: str, description: str) -> str:
 
 def _unpickle_tensor(z: ZipReader, entry: str, what: str, description: str) -> torch.Tensor:
     """A tensor torch pickled (a tensor subclass), read with weights_only=True
-    only; an inner zip is checked within the limits first."""
+    only; an inner zip is checked within the limits first.
+
+    weights_only does not check sparse tensors (an index past the size loads,
+    and its first use writes out of bounds): they are checked while loading
+    (``check_sparse_tensor_invariants``) and again after, with the layouts,
+    devices and storage bounds of everything loaded; layouts that cannot be
+    checked (quantized, mkldnn, nested, meta) are refused."""
     raw = z.read(entry, "tensors")
     if raw[:2] == b"PK":
         with ZipReader(io.BytesIO(raw), f"{entry} in {description}", z.limits) as inner:
             for n in inner.names:
                 inner.check(n, "tensors")
     try:
-        t = torch.load(io.BytesIO(raw), weights_only=True, map_location="cpu")
-    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, TypeError, AttributeError) as e:
+        with torch.sparse.check_sparse_tensor_invariants(enable=True):
+            t = torch.load(io.BytesIO(raw), weights_only=True, map_location="cpu")
+    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, TypeError, AttributeError, IndexError) as e:
         raise ArchiveError(
             f"torch_opaque.load: {what} ('{entry}') in {description} is a pickle that "
-            f"torch.load(weights_only=True) refuses ({type(e).__name__}: "
-            f"{str(e).splitlines()[0] if str(e) else ''}); torch_opaque never unpickles "
-            f"arbitrary objects, so the archive is not loaded."
+            f"torch.load(weights_only=True) refuses, or holds a tensor that fails torch's "
+            f"checks ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); "
+            f"torch_opaque never unpickles arbitrary objects, so the archive is not loaded."
         ) from e
     if not isinstance(t, torch.Tensor):
         raise ArchiveError(
             f"torch_opaque.load: {what} ('{entry}') in {description} holds a "
             f"{type(t).__name__}, not a tensor."
         )
+
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    sparse = (torch.sparse_coo, torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc)
+
+    def refuse(why: str) -> ArchiveError:
+        return ArchiveError(
+            f"torch_opaque.load: {what} ('{entry}') in {description} is a pickled tensor that "
+            f"{why}; the archive was crafted or corrupted, or holds a tensor torch_opaque "
+            f"cannot check, and is not loaded."
+        )
+
+    def check(x: torch.Tensor, depth: int) -> None:
+        if depth > 8:
+            raise refuse("nests tensor subclasses more than 8 deep")
+        kind = next(
+            (k for k, bad in (("quantized", x.is_quantized), ("mkldnn", x.is_mkldnn), ("nested", x.is_nested),
+                              ("meta", x.is_meta)) if bad),
+            None,
+        )  # fmt: skip
+        if kind is not None:
+            raise refuse(f"is a {kind} tensor (torch_opaque loads strided and sparse tensors only)")
+        if x.device.type != "cpu":
+            raise refuse(f"loaded on {x.device}, not on the CPU")
+        if is_traceable_wrapper_subclass(x):
+            names, _ = x.__tensor_flatten__()
+            for n in names:
+                inner = getattr(x, n)
+                if not isinstance(inner, torch.Tensor):
+                    raise refuse(f"has an inner {type(inner).__name__} {n!r}, not a tensor")
+                check(inner, depth + 1)
+            return
+        if x.layout == torch.strided:
+            size, stride, offset = tuple(x.size()), tuple(x.stride()), x.storage_offset()
+            if any(n < 0 for n in size) or any(st < 0 for st in stride) or offset < 0:
+                raise refuse(f"has sizes {size}, strides {stride}, storage offset {offset}")
+            need = 0 if 0 in size else offset + 1 + sum((n - 1) * st for n, st in zip(size, stride))
+            if need * x.element_size() > x.untyped_storage().nbytes():
+                raise refuse(
+                    f"needs {need * x.element_size()} bytes of storage (sizes {size}, strides "
+                    f"{stride}, offset {offset}) but has {x.untyped_storage().nbytes()}"
+                )
+            return
+        if x.layout not in sparse:
+            raise refuse(f"has the layout {x.layout}")
+        try:
+            if x.layout == torch.sparse_coo:
+                torch._validate_sparse_coo_tensor_args(
+                    x._indices(), x._values(), x.size(), x.is_coalesced(), check_pinning=False
+                )
+                parts = (x._indices(), x._values())
+            else:
+                if x.layout in (torch.sparse_csr, torch.sparse_bsr):
+                    compressed, plain = x.crow_indices(), x.col_indices()
+                else:
+                    compressed, plain = x.ccol_indices(), x.row_indices()
+                torch._validate_sparse_compressed_tensor_args(
+                    compressed, plain, x.values(), x.size(), x.layout, check_pinning=False
+                )
+                parts = (compressed, plain, x.values())
+        except (RuntimeError, ValueError, TypeError, IndexError) as e:
+            raise refuse(f"is an invalid {x.layout} tensor ({str(e).splitlines()[0] if str(e) else type(e).__name__})") from e
+        for p in parts:
+            check(p, depth + 1)
+
+    try:
+        check(t, 0)
+    except ArchiveError:
+        raise
+    except (RuntimeError, TypeError, ValueError, AttributeError, NotImplementedError) as e:
+        raise refuse(f"cannot be checked ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from e
     return t
 
 
@@ -310,10 +292,57 @@ def _payloads(z: ZipReader, root: str, kind_dir: str, config_name: str, model: s
             f"torch_opaque.load: '{config_entry}' in {description} is invalid "
             f"({type(e).__name__}: {e}); the archive is corrupted."
         ) from e
-    storages: dict = {}
+    # Note [Raw tensor payloads]: what torch.export.save writes for a tensor that
+    # is not pickled is the bytes of its whole untyped storage (shared by the
+    # views of one storage) and the view's sizes, strides and offset; an empty
+    # entry for a tensor without elements or a meta tensor (and for a fake
+    # tensor, whose values were never saved). Everything is checked with Python
+    # ints before anything is allocated: dtypes from the table below, sizes,
+    # strides and offset ints in [0, 2**63), rank <= 64, the declared size
+    # within ArchiveLimits.tensors, and the storage the view needs within the
+    # entry's bytes.
+    st = serde_schema.ScalarType
+    dtypes = {
+        int(getattr(st, name)): getattr(torch, dt)
+        for name, dt in (
+            ("BYTE", "uint8"), ("CHAR", "int8"), ("SHORT", "int16"), ("INT", "int32"), ("LONG", "int64"),
+            ("HALF", "float16"), ("FLOAT", "float32"), ("DOUBLE", "float64"), ("COMPLEXHALF", "complex32"),
+            ("COMPLEXFLOAT", "complex64"), ("COMPLEXDOUBLE", "complex128"), ("BOOL", "bool"),
+            ("BFLOAT16", "bfloat16"), ("UINT16", "uint16"), ("UINT32", "uint32"), ("UINT64", "uint64"),
+            ("FLOAT8E4M3FN", "float8_e4m3fn"), ("FLOAT8E5M2", "float8_e5m2"),
+            ("FLOAT8E4M3FNUZ", "float8_e4m3fnuz"), ("FLOAT8E5M2FNUZ", "float8_e5m2fnuz"),
+            ("FLOAT8E8M0FNU", "float8_e8m0fnu"),
+        )
+        if hasattr(st, name) and isinstance(getattr(torch, dt, None), torch.dtype)
+    }  # fmt: skip
+    devices = ("cpu", "cuda", "meta", "xpu", "mps", "hpu", "mtia", "privateuseone")
+    int64 = 1 << 63
+
+    def is_int(v) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool)
+
+    def bounded(sym, what: str) -> int:
+        if not isinstance(sym, serde_schema.SymInt) or sym.type != "as_int":
+            raise ValueError(f"its {what} is not a plain integer (got {sym!r:.80})")
+        v = sym.value
+        if not is_int(v) or not 0 <= v < int64:
+            raise ValueError(f"its {what} {v!r:.40} is not an integer in [0, 2**63)")
+        return v
+
+    def flag(v, what: str) -> bool:
+        if not isinstance(v, bool):
+            raise ValueError(f"its {what} {v!r:.40} is not true or false")
+        return v
+
+    storages: dict = {}  # path -> [dtype, bytes in the entry, flat tensor once read]
     out: dict = {}
     for fqn, meta in items:
         part = f"{what} '{fqn}'"
+        if not isinstance(meta, serde_schema.PayloadMeta):
+            raise ArchiveError(
+                f"torch_opaque.load: {part} in {description} has no payload record; the "
+                f"archive is corrupted."
+            )
         path = _check_payload_name(meta.path_name, part, description)
         entry = f"{root}{kind_dir}{path}"
         try:
@@ -324,36 +353,90 @@ def _payloads(z: ZipReader, root: str, kind_dir: str, config_name: str, model: s
                     f"restore; torch_opaque refuses it. Programs with script objects cannot "
                     f"be loaded with torch_opaque.load."
                 )
-            if meta.use_pickle:
+            if flag(meta.use_pickle, "use_pickle"):
                 out[fqn] = _unpickle_tensor(z, entry, part, description)
                 continue
             tm = meta.tensor_meta
-            if tm is None:
+            if not isinstance(tm, serde_schema.TensorMeta):
                 raise ValueError("it has no tensor metadata")
-            dtype = serialize.deserialize_scalar_type(tm.dtype)
-            device = serialize.deserialize_device(tm.device)
-            if path not in storages:
+            dtype = dtypes.get(tm.dtype) if is_int(tm.dtype) else None
+            if dtype is None:
+                raise ValueError(f"its dtype {tm.dtype!r:.40} is not one torch writes raw")
+            if not is_int(tm.layout) or tm.layout != int(serde_schema.Layout.Strided):
+                raise ValueError(
+                    f"its layout {tm.layout!r:.40} is not strided (torch pickles tensors of "
+                    f"other layouts)"
+                )
+            if not isinstance(tm.sizes, list) or not isinstance(tm.strides, list):
+                raise ValueError("its sizes and strides are not lists")
+            if len(tm.sizes) > 64 or len(tm.strides) != len(tm.sizes):
+                raise ValueError(f"it has {len(tm.sizes)} sizes and {len(tm.strides)} strides (at most 64 dimensions)")
+            size = tuple(bounded(v, f"size {i}") for i, v in enumerate(tm.sizes))
+            stride = tuple(bounded(v, f"stride {i}") for i, v in enumerate(tm.strides))
+            offset = bounded(tm.storage_offset, "storage offset")
+            dev = tm.device
+            if (
+                not isinstance(dev, serde_schema.Device)
+                or not isinstance(dev.type, str)
+                or dev.type not in devices
+                or not (dev.index is None or (is_int(dev.index) and 0 <= dev.index < 1 << 16))
+            ):
+                raise ValueError(f"its device {dev!r:.80} is not a device torch writes")
+            device = serialize.deserialize_device(dev)
+            requires_grad = flag(tm.requires_grad, "requires_grad")
+            is_param = flag(meta.is_param, "is_param")
+            elem = torch._utils._element_size(dtype)
+            if path not in storages:  # the entry within the limits first
                 nbytes = z.check(entry, "tensors")
-                size = serialize.deserialize_size(tm.sizes)
+                if nbytes % elem:
+                    raise ValueError(f"{nbytes} bytes is not a whole number of {dtype} elements")
+                storages[path] = [dtype, nbytes, None]
+            numel = functools.reduce(lambda a, b: a * b, size, 1)
+            if functools.reduce(lambda a, b: a * b, (n for n in size if n), 1) >= int64:
+                raise ValueError(f"its sizes {size} have more than 2**63 elements")
+            if numel * elem > z.limits.tensors:
+                raise ArchiveError(
+                    f"torch_opaque.load: {part} ('{entry}') in {description} declares "
+                    f"{numel * elem} bytes (sizes {size}, {dtype}), more than the tensors limit "
+                    f"of {z.limits.tensors} bytes. Raise it with limits=ArchiveLimits(tensors=...) "
+                    f"if you trust the file."
+                )
+            # elements of the storage the view reaches
+            need = 0 if numel == 0 else offset + 1 + sum((n - 1) * s for n, s in zip(size, stride))
+            store = storages[path]
+            if store[0] != dtype:
+                raise ValueError(f"it is {dtype} but shares its entry with a {store[0]} tensor")
+            nbytes = store[1]
+            if device.type == "meta":
+                base = torch.empty(need, dtype=dtype, device="meta")  # no data, nothing read
+            elif need * elem > nbytes:
                 if nbytes == 0:
-                    flat = torch.zeros(size, dtype=dtype).reshape(-1)
-                else:
-                    elem = torch._utils._element_size(dtype)
-                    if nbytes % elem:
-                        raise ValueError(f"{nbytes} bytes is not a whole number of {dtype} elements")
-                    flat = torch.frombuffer(bytearray(z.read(entry, "tensors")), dtype=dtype)
-                storages[path] = flat
-            t = torch.as_strided(
-                storages[path],
-                serialize.deserialize_size(tm.sizes),
-                serialize.deserialize_stride(tm.strides),
-                serialize.deserialize_storage_offset(tm.storage_offset),
-            )
-            if device != torch.device("cpu"):
+                    raise ArchiveError(
+                        f"torch_opaque.load: {part} ('{entry}') in {description} has sizes "
+                        f"{size} ({numel} elements) but its entry holds no bytes. torch writes "
+                        f"an empty entry for a tensor with elements only when the program was "
+                        f"exported with fake weights, whose values were never saved; "
+                        f"torch_opaque does not make them up. The archive is not loaded."
+                    )
+                raise ArchiveError(
+                    f"torch_opaque.load: {part} ('{entry}') in {description} has sizes {size}, "
+                    f"strides {stride} and storage offset {offset}, which reach {need * elem} "
+                    f"bytes of storage, but its entry holds {nbytes}; the archive was crafted "
+                    f"or corrupted."
+                )
+            else:
+                if store[2] is None:
+                    if nbytes == 0:
+                        store[2] = torch.empty(0, dtype=dtype)
+                    else:
+                        store[2] = torch.frombuffer(bytearray(z.read(entry, "tensors")), dtype=dtype)
+                base = store[2]
+            t = torch.as_strided(base, size, stride, offset)
+            if device != torch.device("cpu") and device.type != "meta":
                 t = t.to(device)
-            if kind_dir == WEIGHTS_DIR and meta.is_param:
-                t = torch.nn.Parameter(t, requires_grad=tm.requires_grad)
-            elif tm.requires_grad:
+            if kind_dir == WEIGHTS_DIR and is_param:
+                t = torch.nn.Parameter(t, requires_grad=requires_grad)
+            elif requires_grad:
                 t.requires_grad_(True)
             out[fqn] = t
         except ArchiveError:
@@ -409,15 +492,18 @@ def read_tensors(z: ZipReader, root: str, model: str, description: str) -> tuple
     )
 
 
-def deserialize(model_json, tensors: tuple, description: str, where: str, rename: dict):
+def deserialize(model_json, tensors: tuple, description: str, where: str, rename: dict, limits=None):
     """An ExportedProgram from a model's JSON (checked, and renamed in place)
     and its (state_dict, constants); no sample inputs."""
-    check_model_json(model_json, where, description, rename)
     state_dict, constants = tensors
-    serde_schema, serialize = _serde()
+    _, serialize = _serde()
+    # Note [Linear reading]: the cyclic GC, run again and again while the schema
+    # objects and the FX graph are built, makes a program's cost grow with the
+    # square of its nodes; nothing built here is garbage until it is done.
     try:
-        serialized = serialize._dict_to_dataclass(serde_schema.ExportedProgram, model_json)
-        ep = serialize.ExportedProgramDeserializer(None).deserialize(serialized, state_dict, constants, None)
+        with gc_paused():
+            serialized = check_model_json(model_json, where, description, rename, limits).program
+            ep = serialize.ExportedProgramDeserializer(None).deserialize(serialized, state_dict, constants, None)
     except ArchiveError:
         raise
     except Exception as e:
@@ -443,9 +529,13 @@ def program_from_bytes(data: bytes, description: str, where: str, limits, rename
                 f"'model'; the archive is corrupted."
             )
         model_json = read_model_json(z, root, "model", z.description)
-        check_model_json(model_json, where, description, rename)
+        check_model_json(model_json, where, description, rename, inner)
         tensors = read_tensors(z, root, "model", description)
-    return deserialize(model_json, tensors, description, where, rename)
+    ep = deserialize(model_json, tensors, description, where, rename, inner)
+    why = check_stored_graph(ep.graph_module, f"{where} in {description}")
+    if why is not None:
+        raise ArchiveError(f"torch_opaque.load: {why}. The archive was crafted; it is not loaded.")
+    return ep
 
 
 

@@ -71,6 +71,7 @@ class ArchiveLimits:
     metadata: int = 1 * GiB  # everything but tensors, all entries together
     ratio: int = 200  # inflated / compressed, for entries above 1 MiB
     entries: int = 100_000  # number of entries in the archive
+    nodes: int = 50_000  # graph nodes of one program, nested graphs included (~0.4 ms CPU each)
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
