@@ -129,3 +129,33 @@ def export_nested():
     return torch.export.export(
         NestedNet(), (example_input(),), dynamic_shapes=({0: torch.export.Dim("batch")},)
     )
+
+
+@torch_opaque.op(name="ArchAddInPlace")
+class AddInPlace(torch.autograd.Function):
+    """x += y in place (ctx.mark_dirty) with two tensor arguments, so an
+    archive can claim the other one is modified (tests/archive/test_archive_owned_ops.py)."""
+
+    @staticmethod
+    def forward(ctx, x, y):
+        x.add_(y)
+        ctx.mark_dirty(x)
+        return x
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, g
+
+
+@torch_opaque.op(name="ArchHalf")
+class Half(torch.autograd.Function):
+    """Its return is annotated, its argument not: the output structure is known
+    without a call, but the op is defined by the first call (or a load)."""
+
+    @staticmethod
+    def forward(ctx, x) -> torch.Tensor:
+        return x * 0.5
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * 0.5

@@ -33,7 +33,7 @@ import torch
 from torch.autograd.function import _is_setup_context_defined
 
 from .. import _C
-from ..errors import FakeForwardError, SchemaError
+from ..errors import ArchiveError, FakeForwardError, SchemaError
 from ..hooks import apply as _apply_hook
 from .kernels import BackwardRunner, FakeRunner, InferenceFake, Runner, check_tensor_outputs
 from .kernels import make_backward_fake
@@ -91,10 +91,14 @@ def default_name(cls: type) -> str:
 class Overload:
     """One registered schema of a wrapped Function."""
 
-    def __init__(self, fn: "OpaqueFunction", overload: str, specs, n_out, returns_tuple):
+    def __init__(self, fn: "OpaqueFunction", overload: str, specs, n_out, returns_tuple,
+                 dirty=None, claimed_by: Optional[str] = None):
         self.specs = specs
         self.n_out = n_out
         self.returns_tuple = returns_tuple
+        # Note [Archive claims]: the archive whose manifest gave n_out,
+        # returns_tuple and dirty, until the Function's own run confirms them.
+        self.claimed_by = claimed_by
         self.fn = fn
         self.overload = overload
         self.name = overload or "default"
@@ -115,7 +119,12 @@ class Overload:
         bwd = BackwardRunner(name, backward, specs)
         arguments = schema_arguments(specs)
         # Note [In-place Functions] (in_place.py): ((output, argument), ...)
-        self.dirty = in_place.dirty_pairs(fn, specs) if fn.dirty else ()
+        if not fn.dirty:
+            self.dirty = ()
+        elif dirty is None:
+            self.dirty = in_place.dirty_pairs(fn, specs)
+        else:  # an archive's claim (checked against specs by the loader)
+            self.dirty = tuple((int(k), int(i)) for k, i in dirty)
         try:
             self.handle = _C.define_op(
                 fn.namespace, fn.name, overload, arguments, ["Tensor"] * n_out, self.runner, bwd,
@@ -344,27 +353,109 @@ class OpaqueFunction:
                 n_out, returns_tuple = self.returns_hint or self._probe(
                     specs, values
                 )
-            return self.define_overload(overload, specs, n_out, returns_tuple, values)
-        self._by_kinds[key] = ov
+            ov = self.define_overload(overload, specs, n_out, returns_tuple, values)
+            if ov.claimed_by is None:
+                return ov
+        if ov.claimed_by is not None:  # defined by torch_opaque.load (Note [Archive claims])
+            self._confirm(ov, specs, values, outputs)
+        with _LOCK:
+            self._by_kinds[key] = ov
+            if self.hint_specs is not None:
+                self._single = ov
         return ov
 
     def define_overload(self, overload: str, specs, n_out: int, returns_tuple: bool,
-                        values=None) -> Overload:
+                        values=None, *, dirty=None, claimed_by: Optional[str] = None) -> Overload:
         """The overload ``overload`` ("" for the default), registered with these
         specs and outputs unless it exists (another thread may have won); calls
         whose arguments are of the kinds of ``values`` use it from now on (with a
         schema from hints: every call). The one writer of the overload tables:
-        first calls, decoration (Note [Registered at decoration]) and archives."""
+        first calls, decoration (Note [Registered at decoration]) and archives.
+
+        ``claimed_by``: the archive whose manifest gave ``n_out``,
+        ``returns_tuple`` and ``dirty`` (the output pairs of an in-place
+        Function); no call uses that overload before the Function's own run
+        confirms them (Note [Archive claims]), so ``values`` is ignored then."""
         with _LOCK:
             ov = self.overloads.get(overload or "default")
             if ov is None:
-                ov = Overload(self, overload, specs, n_out, returns_tuple)
+                ov = Overload(self, overload, specs, n_out, returns_tuple, dirty, claimed_by)
                 self.overloads[ov.name] = ov
+                if claimed_by is not None:
+                    return ov
                 if self.hint_specs is not None:
                     self._single = ov
+            elif ov.claimed_by is not None:
+                return ov
             if values is not None:
                 self._by_kinds[kinds_key(values)] = ov
         return ov
+
+    def _confirm(self, ov: Overload, specs, values, outputs) -> None:
+        """Note [Archive claims]: a Function the process owns is the authority on
+        its own outputs. ``torch_opaque.load`` defines an overload of it from an
+        archive's manifest without running it (the loaded program needs the op
+        before any call), but the manifest's n_out, returns_tuple and in-place
+        pairs are only a claim: the first call of that overload learns the real
+        ones as a call without the archive would (the real forward's result of
+        an eager first call, the return annotation, or a fake run when traced),
+        and only then do calls use the overload. A different returns_tuple is
+        corrected (``Cls.apply`` returns what stock returns; a warning names the
+        archive); a different number of outputs or in-place pairs is part of the
+        op's schema, which cannot change once defined: ArchiveError naming the
+        op, the class, the archive and the field. The loader refuses what it
+        can tell at load time, before it defines anything: other arguments, a
+        claim against the return annotation, against an overload the process
+        already has, or against in-place pairs already learnt
+        (archive/loading.py, _check_claims)."""
+        if outputs is not None:
+            n_out, returns_tuple = _output_structure(self.display_name, outputs)
+        elif self.returns_hint is not None and not (self.dirty and self.dirty_pairs is None):
+            n_out, returns_tuple = self.returns_hint
+        else:
+            n_out, returns_tuple = self._probe(specs, values)  # learns dirty_pairs too
+        pairs = tuple(self.dirty_pairs or ()) if self.dirty else ()
+        with _LOCK:
+            archive = ov.claimed_by
+            if archive is None:  # another thread confirmed it
+                return
+            cls = self.cls
+            where = f"{self.namespace}::{self.name}.{ov.name}"
+            who = f"{cls.__module__}.{cls.__qualname__}"
+            if n_out != ov.n_out or pairs != ov.dirty:
+                field, claimed, actual = (
+                    ("n_out", ov.n_out, n_out)
+                    if n_out != ov.n_out
+                    else ("dirty", [list(p) for p in ov.dirty], [list(p) for p in pairs])
+                )
+                raise ArchiveError(
+                    f"torch_opaque: {who}.forward gives {field}={actual} for {where}, but "
+                    f"that op was defined by torch_opaque.load of {archive}, whose manifest "
+                    f"says {field}={claimed}: the archive was not written by torch_opaque.save "
+                    f"for this Function (the Function changed since, or the file was edited). "
+                    f"An op cannot be redefined in a process: in a fresh process, load an "
+                    f"archive saved from this Function (or save the program again)."
+                )
+            warning = None
+            if returns_tuple != ov.returns_tuple:
+
+                def what(t):
+                    return "a tuple" if t else "a Tensor"
+
+                warning = (
+                    f"torch_opaque: {archive} (loaded by torch_opaque.load) says {where} "
+                    f"returns {what(ov.returns_tuple)} (returns_tuple="
+                    f"{str(ov.returns_tuple).lower()}), but {who}.forward returns "
+                    f"{what(returns_tuple)}; {cls.__qualname__}.apply returns what the "
+                    f"Function returns. The archive was not written by torch_opaque.save for "
+                    f"this Function: load one that was."
+                )
+                ov.returns_tuple = returns_tuple
+            ov.claimed_by = None
+        if warning is not None:
+            import warnings
+
+            warnings.warn(warning, stacklevel=2)
 
     def define_from_hints(self) -> Optional[Overload]:
         """Note [Registered at decoration]: a Function whose forward arguments

@@ -44,16 +44,99 @@ _EXAMPLES = {
 }
 
 
+def _claim_text(field: str, value) -> str:
+    if field == "returns_tuple":
+        return str(bool(value)).lower()
+    if field == "dirty":
+        return str([list(p) for p in value])
+    return str(value)
+
+
+def _refuse_claim(fn, ov: OverloadRecord, field: str, claimed, actual, source: str,
+                  description: str) -> ArchiveError:
+    """Note [Archive claims] (_impl/function.py): the archive says something
+    about the outputs of an op that a Function of this process defines, and
+    the Function says otherwise."""
+    cls = fn.cls
+    return ArchiveError(
+        f"torch_opaque.load: {description} says {fn.namespace}::{fn.name}.{ov.overload} has "
+        f"{field}={_claim_text(field, claimed)}, but this process's "
+        f"{cls.__module__}.{cls.__qualname__}, which defines that op, gives "
+        f"{field}={_claim_text(field, actual)} ({source}). The archive was not written by "
+        f"torch_opaque.save for this Function (the Function changed since, or the file was "
+        f"edited), so it is refused: load an archive saved from this Function, or export "
+        f"and save the program again."
+    )
+
+
+def _check_claims(fn, ov: OverloadRecord, description: str) -> None:
+    """Refuses an archive whose outputs of ``ov`` (n_out, returns_tuple, dirty)
+    differ from what this process's Function is known to give without running
+    it: an overload it already has, or its return annotation."""
+    have = fn.overloads.get(ov.overload)
+    if have is not None:
+        source = (
+            f"as loading {have.claimed_by} defined it, not yet confirmed by a call"
+            if have.claimed_by is not None
+            else "the op as this process defined it"
+        )
+        for field, actual, claimed in (
+            ("n_out", have.n_out, ov.n_out),
+            ("returns_tuple", bool(have.returns_tuple), bool(ov.returns_tuple)),
+            ("dirty", tuple(map(tuple, have.dirty)), tuple(map(tuple, ov.dirty))),
+        ):
+            if actual != claimed:
+                raise _refuse_claim(fn, ov, field, claimed, actual, source, description)
+        return
+    if fn.returns_hint is not None:
+        n_out, returns_tuple = fn.returns_hint
+        source = "its forward's return annotation"
+        if n_out != ov.n_out:
+            raise _refuse_claim(fn, ov, "n_out", ov.n_out, n_out, source, description)
+        if bool(returns_tuple) != bool(ov.returns_tuple):
+            raise _refuse_claim(
+                fn, ov, "returns_tuple", ov.returns_tuple, returns_tuple, source, description
+            )
+    if fn.dirty and fn.dirty_pairs is not None and tuple(fn.dirty_pairs) != tuple(map(tuple, ov.dirty)):
+        raise _refuse_claim(
+            fn, ov, "dirty", ov.dirty, fn.dirty_pairs, "what its forward marked dirty", description
+        )
+
+
 def _define_python_overload(fn, ov: OverloadRecord, description: str) -> None:
     """Defines a recorded overload of a registered Function without calling it
-    (OpaqueFunction.overload_for would probe the forward with example values)."""
+    (OpaqueFunction.overload_for would probe the forward with example values).
+    The arguments must be the Function's own; what the manifest says of the
+    outputs is checked against what the Function is known to give, and is
+    otherwise a claim that the Function's first call of that overload confirms
+    before any call uses it (Note [Archive claims] in _impl/function.py)."""
+    found = _python_overload(fn, ov, description)
+    if found is not None:
+        name, specs = found
+        fn.define_overload(
+            name, specs, ov.n_out, ov.returns_tuple, dirty=tuple(map(tuple, ov.dirty)),
+            claimed_by=description,
+        )
 
+
+def _python_overload(fn, ov: OverloadRecord, description: str) -> Optional[tuple]:
+    """(overload name, specs) to define ``ov`` of a registered Function with, or
+    None when the Function has it; ArchiveError when the archive does not
+    match the Function. Defines nothing."""
     overload = ov.overload
     qual = f"{fn.namespace}::{fn.name}.{overload}"
     if overload in fn.overloads:
-        return
+        have = str(schema_or_none(fn.namespace, fn.name, overload))
+        if have != ov.schema:
+            raise ArchiveError(
+                f"torch_opaque.load: {description} calls {ov.schema}, but this process's "
+                f"{fn.cls.__module__}.{fn.cls.__qualname__} defines {have}; the archive was not "
+                f"written by torch_opaque.save for this Function: load one that was."
+            )
+        _check_claims(fn, ov, description)
+        return None
     if fn.hint_specs is not None:
-        specs, name, values = fn.hint_specs, "", None
+        specs, name = fn.hint_specs, ""
     else:
         tokens = ov.tokens
         if tokens is None or any(t not in _EXAMPLES for t in tokens):
@@ -80,15 +163,14 @@ def _define_python_overload(fn, ov: OverloadRecord, description: str) -> None:
             f"({schema_arguments(specs)}), but {description} was saved with "
             f"{ov.schema}; the Function changed since the archive was written."
         )
-    if fn.dirty != bool(ov.dirty) or (fn.dirty_pairs or tuple(ov.dirty)) != tuple(ov.dirty):
+    if fn.dirty != bool(ov.dirty) or any(not specs[i].is_tensor for _, i in ov.dirty):
         raise ArchiveError(
             f"torch_opaque.load: {fn.cls.__module__}.{fn.cls.__qualname__} now modifies "
             f"{'arguments' if fn.dirty else 'no argument'} in place, but {description} was saved "
             f"with {ov.schema}; the Function changed since the archive was written."
         )
-    if fn.dirty:  # Note [In-place Functions]: known without running the forward
-        fn.dirty_pairs = tuple(ov.dirty)
-    fn.define_overload(name, specs, ov.n_out, ov.returns_tuple, values)
+    _check_claims(fn, ov, description)
+    return name, specs
 
 
 def _allowed(module: Optional[str], allow: list, allow_all: bool) -> bool:
@@ -134,6 +216,8 @@ def _register_from_module(op_entry: OpEntry, missing: list, description: str) ->
             )
         F.wrap(cls, name=name, namespace=ns, _patch_apply=False)
         fn = F.function_for_op(ns, name)
+    for ov in missing:  # every overload checked before any is defined
+        _python_overload(fn, ov, description)
     for ov in missing:
         _define_python_overload(fn, ov, description)
 
@@ -179,6 +263,9 @@ def _plan(manifest: Manifest, path, description: str, allow: list, allow_all: bo
                         f"torch_opaque.load: {description} calls {ov.schema}, but this "
                         f"process already defines {have}."
                     )
+                fn = F.function_for_op(ns, name)
+                if fn is not None and ov.overload in fn.overloads:
+                    _check_claims(fn, ov, description)
             else:
                 missing.append(ov)
         # overloads that were themselves re-created from stored programs
@@ -193,7 +280,10 @@ def _plan(manifest: Manifest, path, description: str, allow: list, allow_all: bo
         if not missing:
             continue
         stored = all(ov.variants for ov in missing)
-        if F.function_for_op(ns, name) is not None:
+        fn = F.function_for_op(ns, name)
+        if fn is not None:
+            for ov in missing:  # refused before anything is imported or defined
+                _python_overload(fn, ov, description)
             plan.append(("registered", op, missing))
         elif _allowed(op.module, allow, allow_all):
             plan.append(("import", op, missing))
