@@ -433,13 +433,15 @@ def load(
         where = "models/model.json"
         model = contents.models["model"]
         # Everything is read and checked before any module is imported.
-        check_model_json(model, where, description, {})
-        tensors = read_tensors(z, contents.root, "model", description)
         if contents.manifest is None:
             _check_plain(contents)
+        described = contents.manifest.targets() if contents.manifest is not None else ()
+        check_model_json(model, where, description, {}, limits, described)
+        tensors = read_tensors(z, contents.root, "model", description)
+        if contents.manifest is None:
             plan, programs = [], {}
         else:
             plan = _plan(contents.manifest, path, description, allow, allow_all)
             programs = _read_programs(z, contents, plan)
     rename = _prepare_ops(plan, programs, description, limits)
-    return deserialize(model, tensors, description, where, rename)
+    return deserialize(model, tensors, description, where, rename, limits)
