@@ -45,7 +45,7 @@ from __future__ import annotations
 import re
 from typing import Callable, Optional
 
-import sympy
+# sympy is imported on first use: `import torch_opaque` must not load it (0.25 s).
 
 MAX_LENGTH = 20_000
 MAX_DEPTH = 64
@@ -83,6 +83,7 @@ def _torch_functions() -> dict:
 
 
 def _constants() -> dict:
+    import sympy
     from torch.utils._sympy.numbers import int_oo
 
     return {
@@ -91,24 +92,29 @@ def _constants() -> dict:
     }  # fmt: skip
 
 
-_SYMPY_FUNCTIONS = {
-    "Add": sympy.Add, "Mul": sympy.Mul, "Pow": sympy.Pow, "Abs": sympy.Abs, "Max": sympy.Max, "Min": sympy.Min,
-    "floor": sympy.floor, "ceiling": sympy.ceiling, "Equality": sympy.Eq, "Unequality": sympy.Ne,
-    "StrictLessThan": sympy.StrictLessThan, "LessThan": sympy.LessThan,
-    "StrictGreaterThan": sympy.StrictGreaterThan, "GreaterThan": sympy.GreaterThan,
-    "And": sympy.And, "Or": sympy.Or, "Not": sympy.Not, "Xor": sympy.Xor,
-    "Piecewise": sympy.Piecewise, "ExprCondPair": sympy.functions.elementary.piecewise.ExprCondPair,
-}  # fmt: skip
 # Their second argument is an exponent or a shift: bounded when it is a number.
 _POWERS = frozenset({"Pow", "PowByNatural", "FloatPow", "LShift"})
 
 _tables: Optional[tuple] = None
 
 
+def _sympy_functions() -> dict:
+    import sympy
+
+    return {
+        "Add": sympy.Add, "Mul": sympy.Mul, "Pow": sympy.Pow, "Abs": sympy.Abs, "Max": sympy.Max,
+        "Min": sympy.Min, "floor": sympy.floor, "ceiling": sympy.ceiling, "Equality": sympy.Eq,
+        "Unequality": sympy.Ne, "StrictLessThan": sympy.StrictLessThan, "LessThan": sympy.LessThan,
+        "StrictGreaterThan": sympy.StrictGreaterThan, "GreaterThan": sympy.GreaterThan,
+        "And": sympy.And, "Or": sympy.Or, "Not": sympy.Not, "Xor": sympy.Xor,
+        "Piecewise": sympy.Piecewise, "ExprCondPair": sympy.functions.elementary.piecewise.ExprCondPair,
+    }  # fmt: skip
+
+
 def _table() -> tuple:
     global _tables
     if _tables is None:
-        _tables = ({**_SYMPY_FUNCTIONS, **_torch_functions()}, _constants())
+        _tables = ({**_sympy_functions(), **_torch_functions()}, _constants())
     return _tables
 
 
@@ -197,6 +203,8 @@ class _Parser:
         return s
 
     def number(self, kind: str):
+        import sympy
+
         self.advance()  # '('
         if kind == "Integer":
             value = sympy.Integer(self.literal_int())
@@ -226,6 +234,8 @@ class _Parser:
         return value
 
     def symbol(self):
+        import sympy
+
         self.advance()  # '('
         name = self.literal_str()
         if not SYMBOL_RE.match(name):
@@ -247,6 +257,8 @@ class _Parser:
 
 
 def _build(name: str, fn: Callable, args: list, parser: _Parser, at: int):
+    import sympy
+
     if name in _POWERS and len(args) == 2 and args[1].is_number:
         e = args[1]
         if not (e.is_finite and abs(e) <= MAX_EXPONENT) and not (
@@ -264,7 +276,7 @@ def _build(name: str, fn: Callable, args: list, parser: _Parser, at: int):
     return out
 
 
-def parse_sym_expr(text: str) -> sympy.Basic:
+def parse_sym_expr(text: str):
     """The sympy expression that srepr text stands for, built by our own parser
     (Note [Expressions are parsed, never evaluated]); SymExprError otherwise."""
     if not isinstance(text, str):
