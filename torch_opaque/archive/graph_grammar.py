@@ -81,20 +81,24 @@ def _pattern(regex, what):
     return check
 
 
+_FORMAT_CHARS = "\u2028\u2029\u200e\u200f\u202a-\u202e\u2066-\u2069\ufeff"
+_CONTROL = re.compile(f"[\\x00-\\x08\\x0a-\\x1f\\x7f-\\x9f{_FORMAT_CHARS}]")
+_CONTROL_BUT_NEWLINE = re.compile(f"[\\x00-\\x08\\x0b-\\x1f\\x7f-\\x9f{_FORMAT_CHARS}]")
+
+
 def _printable(newlines: bool, limit: int = MAX_TEXT):
     """Text with no control, format or line-separator characters (tabs allowed,
     newlines only where `newlines`)."""
+    bad = _CONTROL_BUT_NEWLINE if newlines else _CONTROL
 
     def check(s):
         if not isinstance(s, str):
             return "it is not text"
         if len(s) > limit:
             return f"it is longer than {limit} characters"
-        for i, c in enumerate(s):
-            if (c < " " and c not in ("\t", "\n" if newlines else "\t")) or "\x7f" <= c <= "\x9f" or c in (
-                "\u2028\u2029\u200e\u200f\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069\ufeff"
-            ):
-                return f"it holds the control character {c!r} at offset {i}"
+        m = bad.search(s)
+        if m is not None:
+            return f"it holds the control character {m.group()!r} at offset {m.start()}"
         return None
 
     return check
