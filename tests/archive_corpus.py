@@ -89,6 +89,7 @@ def bomb(name: str, size: int = GiB, declared: Optional[int] = None) -> Entry:
 
 
 def write_zip(path, entries: list) -> None:
+    """Writes `entries` as a zip to a path or a binary file object."""
     out = bytearray()
     central = bytearray()
     for e in entries:
@@ -106,6 +107,9 @@ def write_zip(path, entries: list) -> None:
     cd_offset = len(out)
     out += central
     out += struct.pack("<4s4H2LH", b"PK\x05\x06", 0, 0, len(entries), len(entries), len(central), cd_offset, 0)
+    if hasattr(path, "write"):
+        path.write(out)
+        return
     with open(path, "wb") as f:
         f.write(out)
 
@@ -152,15 +156,21 @@ def edit_json(name_suffix: str, fn: Callable[[dict], None]) -> Callable:
     return edit
 
 
-def edit_stored_program(src, dst, which: str, inner_edit: Callable, inner_add=()) -> None:
+def edit_stored_program(src, dst, which: str, inner_edit: Callable, inner_add=(), program: Optional[str] = None) -> None:
     """Rewrites the first stored `which` ('fwd' / 'bwd') program of a
-    self-contained archive (a whole pt2 archive, base64, in an extra file)."""
+    self-contained archive (a whole pt2 archive, base64, in an extra file), or
+    the one named `program` (:func:`stored_program_name`)."""
     import tempfile
 
     done = []
 
+    def wanted(name):
+        if program is not None:
+            return name.endswith("/extra/" + program)
+        return name.endswith("." + which) and "/extra/torch_opaque.program." in name
+
     def edit(name, data):
-        if name.endswith("." + which) and "/extra/torch_opaque.program." in name and not done:
+        if wanted(name) and not done:
             done.append(name)
             with tempfile.TemporaryDirectory() as d:
                 inner = f"{d}/inner.pt2"
@@ -192,3 +202,283 @@ def set_path(d, path: str, value) -> None:
 def first_node_target(model: dict) -> dict:
     """The first call node of a serialized graph (to point its target elsewhere)."""
     return next(n for n in model["graph_module"]["graph"]["nodes"] if n["target"].startswith("torch.ops.aten"))
+
+
+# ---- more hand-written zips ----------------------------------------------------------------
+
+
+def write_many_records(path, n: int, zip64: bool = True) -> None:
+    """A zip of one small stored entry and `n` central-directory records that
+    all point at it (distinct names), the way a directory-only bomb is built.
+    `zip64`: the record count is told by a zip64 end record (as zip tools do
+    past 65535 entries); otherwise the classic end record says 65535 while the
+    directory, walked by its byte size, holds all of them."""
+    data = b"x"
+    crc = zlib.crc32(data)
+    first = b"net/extra/e0"
+    out = bytearray(struct.pack("<4s5H3L2H", b"PK\x03\x04", 20, 0, 0, 0, 0x21, crc, 1, 1, len(first), 0))
+    out += first + data
+    records = []
+    for i in range(n):
+        name = f"net/extra/e{i}".encode()
+        records.append(
+            struct.pack(
+                "<4s6H3L5H2L", b"PK\x01\x02", 20, 20, 0, 0, 0, 0x21, crc, 1, 1,
+                len(name), 0, 0, 0, 0, 0, 0,
+            ) + name
+        )  # fmt: skip
+    central = b"".join(records)
+    cd_offset = len(out)
+    out += central
+    if zip64:
+        eocd64 = len(out)
+        out += struct.pack("<4sQ2H2L4Q", b"PK\x06\x06", 44, 45, 45, 0, 0, n, n, len(central), cd_offset)
+        out += struct.pack("<4sLQL", b"PK\x06\x07", 0, eocd64, 1)
+        out += struct.pack("<4s4H2LH", b"PK\x05\x06", 0, 0, 0xFFFF, 0xFFFF, 0xFFFFFFFF, 0xFFFFFFFF, 0)
+    else:
+        out += struct.pack("<4s4H2LH", b"PK\x05\x06", 0, 0, 0xFFFF, 0xFFFF, len(central), cd_offset, 0)
+    with open(path, "wb") as f:
+        f.write(out)
+
+
+# ---- editing serialized graphs -------------------------------------------------------------
+
+
+def graph_of(model: dict) -> dict:
+    return model["graph_module"]["graph"]
+
+
+def rename_value(model: dict, old: str, new: str) -> None:
+    """Renames a tensor value everywhere it is named: the graph's inputs and
+    outputs, node arguments and outputs, the signature, ``tensor_values``."""
+
+    def walk(o):
+        if isinstance(o, dict):
+            if set(o) == {"name"} and o["name"] == old:  # a TensorArgument
+                o["name"] = new
+            for v in o.values():
+                walk(v)
+        elif isinstance(o, list):
+            for v in o:
+                walk(v)
+
+    walk(model)
+    tv = graph_of(model)["tensor_values"]
+    tv[new] = tv.pop(old)
+
+
+def add_placeholder(model: dict, name: str, like: str) -> None:
+    """One more user input (unused by any node), with the metadata of `like`."""
+    g = graph_of(model)
+    g["inputs"].append({"as_tensor": {"name": name}})
+    g["tensor_values"][name] = json.loads(json.dumps(g["tensor_values"][like]))
+    model["graph_module"]["signature"]["input_specs"].append({"user_input": {"arg": {"as_tensor": {"name": name}}}})
+
+
+def call_node(target: str, inputs: list, outputs: list) -> dict:
+    """A serialized call node (named after its first output); `inputs`: (name,
+    argument, kind) with kind 1 positional, 2 keyword; `outputs`: value names
+    (tensors)."""
+    return {
+        "target": target,
+        "inputs": [{"name": n, "arg": a, "kind": k} for n, a, k in inputs],
+        "outputs": [{"as_tensor": {"name": o}} for o in outputs],
+        "metadata": {},
+        "is_hop_single_tensor_return": None,
+        "name": outputs[0] if outputs else "",
+    }
+
+
+def tensor(name: str) -> dict:
+    return {"as_tensor": {"name": name}}
+
+
+def replace_expr(model: dict, new: str, count: int = 1) -> None:
+    """Replaces the first `count` symbolic size expressions (``expr_str``) of a
+    graph by `new`."""
+    done = [0]
+
+    def walk(o):
+        if isinstance(o, dict):
+            if isinstance(o.get("expr_str"), str) and done[0] < count:
+                o["expr_str"] = new
+                done[0] += 1
+            for v in o.values():
+                walk(v)
+        elif isinstance(o, list):
+            for v in o:
+                walk(v)
+
+    walk(model)
+    assert done[0], "no symbolic expression in the graph"
+
+
+def edit_text(name_suffix: str, pattern: str, replacement: str) -> Callable:
+    """An entry edit replacing the first match of a regex in a JSON entry's text
+    (for values json.dumps cannot write, such as a 5000-digit integer)."""
+    import re
+
+    def edit(name, data):
+        if name.endswith(name_suffix):
+            text, n = re.subn(pattern, replacement, data.decode(), count=1)
+            assert n == 1, (name, pattern)
+            return text.encode()
+        return data
+
+    return edit
+
+
+def stored_program_name(path, op_name: str, which: str) -> str:
+    """The extra file name ('torch_opaque.program.N.fwd') of the first stored
+    `which` program of an op of a self-contained archive."""
+    (op,) = [o for o in manifest_of(path)["ops"] if o["name"] == op_name]
+    return op["overloads"][0]["variants"][0][which]
+
+
+def sparse_parameter_bytes(size=(8, 6), index: int = 1 << 40) -> bytes:
+    """torch.save bytes of a sparse COO Parameter whose index lies far outside
+    its size (torch.load(weights_only=True) does not check sparse invariants)."""
+    i = torch.tensor([[0, index], [0, index]])
+    t = torch.sparse_coo_tensor(i, torch.tensor([1.0, 2.0]), size, check_invariants=False)
+    buf = io.BytesIO()
+    torch.save(torch.nn.Parameter(t), buf)
+    return buf.getvalue()
+
+
+# ---- a program with a higher-order operator --------------------------------------------------
+
+
+class GradNet(torch.nn.Module):
+    """``torch.no_grad()`` inside forward: export writes a
+    ``wrap_with_set_grad_enabled`` call whose body is a nested graph (a get_attr
+    of a submodule in the loaded program)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.l = torch.nn.Linear(3, 3)
+
+    def forward(self, x):
+        y = x + 1
+        with torch.no_grad():
+            z = self.l(y).sin()
+        return z + x
+
+
+def export_hop():
+    return torch.export.export(GradNet(), (torch.randn(2, 3),))
+
+
+def hop_node(model: dict) -> dict:
+    return next(n for n in graph_of(model)["nodes"] if n["target"].startswith("torch.ops.higher_order."))
+
+
+# ---- running cases in fresh interpreters -------------------------------------------------------
+
+ANY = "any"  # an expectation: any outcome but a crash or an error torch_opaque did not raise
+# CPU seconds (of the child, not wall time: the machine may be loaded) one
+# step of one case may take; and the CPU time after which the kernel stops a
+# case that hangs (RLIMIT_CPU in the child), failing it.
+STEP_CPU_S = 20
+CASE_CPU_KILL_S = 40
+
+
+def _died(rc) -> str:
+    import signal
+
+    if rc == "timeout":
+        return "did not finish in 600 s of wall time"
+    if isinstance(rc, int) and rc < 0:
+        try:
+            name = signal.Signals(-rc).name
+        except ValueError:
+            name = f"signal {-rc}"
+        why = " (the CPU limit of a case: it hangs)" if -rc == signal.SIGXCPU else ""
+        return f"was killed by {name}{why}"
+    return f"exited with status {rc}"
+
+
+def run_cases(cases, tmp_path, marker, case_cpu_kill_s: float = CASE_CPU_KILL_S, as_limit_mib: int = 0) -> dict:
+    """Loads, inspects and runs each case (name, path, load options, ...) in a
+    fresh interpreter (tests/support/scripts/load_and_inspect_cases.py, working
+    directory `tmp_path`): name -> its result. A case the interpreter died in
+    gets {"died": how}, and the cases after it run in a fresh interpreter.
+    `as_limit_mib`: the child's address-space limit (RLIMIT_AS), 0 for none."""
+    import subprocess
+
+    from support.processes import run_python
+
+    results: dict = {}
+    todo = list(cases)
+    while todo:
+        spec = tmp_path / f"cases_{len(list(tmp_path.iterdir()))}.json"
+        spec.write_text(json.dumps([{"name": c[0], "path": str(c[1]), "options": c[2]} for c in todo]))
+        try:
+            proc = run_python(
+                script="load_and_inspect_cases.py", args=[marker, spec, case_cpu_kill_s, as_limit_mib],
+                cwd=tmp_path, with_fixtures=True, timeout=600,
+            )  # fmt: skip
+            out, err, rc = proc.stdout, proc.stderr, proc.returncode
+        except subprocess.TimeoutExpired as e:
+            out, err, rc = e.stdout or "", e.stderr or "", "timeout"
+            out, err = (x.decode(errors="replace") if isinstance(x, bytes) else x for x in (out, err))
+        started = None
+        for line in out.splitlines():
+            if line.startswith("START "):
+                started = json.loads(line[len("START ") :])
+            elif line.startswith("CASE "):
+                d = json.loads(line[len("CASE ") :])
+                results[d["name"]] = d["result"]
+                started = None
+        left = [c for c in todo if c[0] not in results]
+        if not left and rc == 0:
+            break
+        assert started is not None, f"the child {_died(rc)} outside a case:\n{out[-2000:]}\n{err[-4000:]}"
+        results[started] = {"died": f"{_died(rc)}; its stderr ends: {err[-600:]!r}"}
+        todo = [c for c in left if c[0] != started]
+    return results
+
+
+def check_results(cases, results, peak_mib: float) -> list:
+    """The failures: each case's steps against its expectations (name, path,
+    options, expected load, expected inspect), the marker, the CPU time of each
+    step, its peak memory, whether the program run changed its inputs.
+
+    An expectation is "ok", ANY, or (error type, text or tuple of texts the
+    message contains); an error must be one torch_opaque raises (a
+    TorchOpaqueError) and its message start with "torch_opaque"."""
+    failures = []
+    for name, _path, _opts, want_load, want_inspect in cases:
+        r = results[name]
+        if "died" in r:
+            failures.append(f"{name}: the interpreter {r['died']}")
+            continue
+        for what, want in (("load", want_load), ("inspect", want_inspect), ("run", None)):
+            if what not in r:
+                continue  # no run: the load failed
+            got_type, msg, ours = r[what]
+            if r[what + "_marker"]:
+                failures.append(f"{name}: {what} ran the payload")
+            if r[what + "_cpu_s"] > STEP_CPU_S:
+                failures.append(f"{name}: {what} took {r[what + '_cpu_s']:.1f} s of CPU")
+            if r[what + "_peak_mib"] > peak_mib:
+                failures.append(f"{name}: {what} peaked at {r[what + '_peak_mib']:.0f} MiB")
+            if what == "run":
+                if r.get("run_mutated"):
+                    failures.append(f"{name}: running the loaded program changed its inputs")
+                continue
+            if want == ANY:
+                if got_type != "ok" and not ours:
+                    failures.append(f"{name}: {what} failed with an error torch_opaque did not raise: {got_type}: {msg}")
+                continue
+            if want == "ok":
+                if got_type != "ok":
+                    failures.append(f"{name}: {what} failed: {got_type}: {msg}")
+                continue
+            want_type, frags = want
+            frags = (frags,) if isinstance(frags, str) else frags
+            if got_type != want_type or not all(f in msg for f in frags) or not ours:
+                failures.append(f"{name}: {what}: want {want_type} with {frags!r}, got {got_type}: {msg}")
+            elif not msg.startswith("torch_opaque"):
+                failures.append(f"{name}: {what}: message lacks the prefix: {msg}")
+    return failures
