@@ -449,6 +449,9 @@ def check_program_json(model, where: str, description: str, limits, rename: dict
     w = _Walker(limits, rename, custom_ok)
     try:
         w.facts.program = w.walk(schema.ExportedProgram, model, "program")
+        calls = getattr(w.facts.program.graph_module, "module_call_graph", None) or []
+        if calls and calls[0].fqn != "":
+            raise _Invalid("program.graph_module.module_call_graph[0].fqn", "the first entry is the root module ('')")
     except _Invalid as e:
         raise ArchiveError(
             f"torch_opaque.load: {where} in {description} is not a program torch_opaque loads: "

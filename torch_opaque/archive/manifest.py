@@ -432,10 +432,12 @@ def _overload(version: int, ns: str, name: str):
         o = _Obj(v, f)
         overload = o.get("overload", _str(IDENT_RE, 256))
         schema_str = o.get("schema", _str(max_len=1 << 16))
+        if not schema_str.isascii() or not schema_str.isprintable():
+            raise _Invalid(o.field("schema"), "is not printable ASCII text (a schema is)")
         try:
             schema = torch._C.parse_schema(schema_str)
-        except RuntimeError as e:
-            raise _Invalid(o.field("schema"), f"does not parse ({str(e).splitlines()[0]})") from None
+        except (RuntimeError, TypeError, ValueError) as e:
+            raise _Invalid(o.field("schema"), f"does not parse ({(str(e).splitlines() or [''])[0]})") from None
         want = f"{ns}::{name}"
         if schema.name != want or (schema.overload_name or "default") != overload:
             raise _Invalid(o.field("schema"), f"names {schema.name}.{schema.overload_name or 'default'}, not {want}.{overload}")

@@ -533,9 +533,28 @@ def program_from_bytes(data: bytes, description: str, where: str, limits, rename
         tensors = read_tensors(z, root, "model", description)
     ep = deserialize(model_json, tensors, description, where, rename, inner)
     why = check_stored_graph(ep.graph_module, f"{where} in {description}")
+    sig = ep.graph_signature
+    if why is None and (sig.user_inputs_to_mutate or sig.buffers_to_mutate or sig.parameters_to_mutate):
+        why = (
+            f"{where} in {description} declares that it mutates its inputs (its signature's "
+            f"output specs), which the op's schema declares functional"
+        )
     if why is not None:
         raise ArchiveError(f"torch_opaque.load: {why}. The archive was crafted; it is not loaded.")
     return ep
+
+
+def module_of(ep, where: str, description: str):
+    """``ep.module()``, its failures an ArchiveError (a program whose JSON passed
+    the grammar may still be inconsistent, e.g. in its module call graph)."""
+    try:
+        with gc_paused():
+            return ep.module()
+    except Exception as e:
+        raise ArchiveError(
+            f"torch_opaque.load: {where} in {description} cannot be made a module "
+            f"({type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}); the archive is corrupted."
+        ) from e
 
 
 

@@ -20,7 +20,7 @@ from .._impl.tracing import unalias
 from ..errors import ArchiveError
 from ..ops import register_source, schema_or_none
 from .manifest import OpEntry, OverloadRecord, TensorSig, VariantRecord
-from .program import program_from_bytes
+from .program import module_of, program_from_bytes
 from .._impl.calls import CallSignature, full_args, tensor_flags
 from .values import decode_value, dtype_name, encode_value, normalize_value
 
@@ -55,9 +55,10 @@ class _Variant:
                 ) from e
             try:
                 prog = program_from_bytes(data, description, where, limits, rename)
+                module = module_of(prog, where, description)
             except ArchiveError as e:
                 raise ArchiveError(f"{e} (The stored {which} program is corrupted or crafted.)") from e
-            setattr(self, which, prog.module())
+            setattr(self, which, module)
 
     def match(self, args, fake: bool) -> Optional[list]:
         """The flat program inputs for this call, or None when not covered."""
