@@ -1,11 +1,5 @@
 """Exported programs that travel: ``torch_opaque.save`` / ``torch_opaque.load``.
 
-Files: manifest.py (the typed manifest and its one reader), zipio.py (bounded
-zip reading), program.py (pt2 programs read without unpickling), reader.py
-(what an archive holds, for load and inspect), values.py (stored argument
-values), saving.py / trace.py (writing; tracing calls to ATen), loading.py / stored.py
-(loading; ops re-created from stored programs).
-
 A program exported with opaque ops names them (``torch.ops.opaque.Foo.Tensor``)
 but does not contain them: ``torch.export.load`` in another process fails
 unless something registered them first. ``torch_opaque.save`` writes a plain
@@ -27,8 +21,20 @@ the module and class of the autograd.Function that defines it.
 Loading and ``python -m torch_opaque inspect`` run nothing from the file: the
 archive is read as data within size limits (Note [Size limits] in zipio.py),
 without unpickling or evaluating any part of it (Note [Reading pt2 without
-unpickling] in program.py); the only code that may run is that of the modules
-the caller allows.
+unpickling] in program.py): every part is read against a closed grammar of our
+own (Note [The graph grammar] in graph_grammar.py, sym_expr.py for symbolic
+sizes, manifest.py) and may call only the operators of Note [Operators a loaded
+program may call] (op_policy.py); the only code that may run is that of the
+modules the caller allows. An archive never changes a Function the process owns
+(Note [Archive claims] in _impl/function.py).
+
+Files: manifest.py (the typed manifest and its one reader), zipio.py (bounded
+zip reading), graph_grammar.py / sym_expr.py / op_policy.py (the grammar of the
+graph, of symbolic sizes, and the operators a loaded program may call),
+program.py (pt2 programs read without unpickling), reader.py (what an archive
+holds, for load and inspect), values.py (stored argument values), saving.py /
+trace.py (writing; tracing calls to ATen), loading.py / stored.py (loading; ops
+re-created from stored programs).
 
 Example::
 
