@@ -1,0 +1,191 @@
+#!/usr/bin/env bash
+# The manual compatibility check (README "Compatibility"): the self-contained
+# archives kept in tests/fixtures (written under torch 2.13) loaded and run
+# under another torch, with no user code importable.
+#
+#   scripts/check_archive_compat.sh [VENV] [TORCH_VERSION]     (defaults: /tmp/venv214 2.14.1)
+#
+# 1. VENV is created if missing; torch==TORCH_VERSION, the build requirements
+#    of pyproject.toml [build-system] (without torch) and numpy go into it.
+# 2. torch_opaque is built into VENV from a clone of this repository's
+#    committed HEAD (non-editable; clone and build tree in $WORK, by default
+#    /tmp/torch_opaque_compat-TORCH_VERSION); skipped when VENV already holds
+#    a build of the same sources (torch_opaque/, csrc/, include/, CMake files).
+# 3. Each tests/fixtures/v*_sc.pt2 is loaded by VENV's python in a fresh
+#    process (tests/support/scripts/load_compat_check.py, v1: load_run_train.py)
+#    with PYTHONPATH unset and an empty working directory, compared with its
+#    references, saved again and reloaded: one PASS/FAIL line per fixture.
+#
+# Not part of the test suite (it builds for minutes, on 2 cores about 10).
+# Exit status 0 when every fixture passed (the known loader bug below
+# counted as XFAIL, as in tests/archive/test_archive_compat.py).
+#
+# Workarounds, each printed when used (CHECK_COMPAT_NO_WORKAROUNDS=1: none,
+# the build then shows the failure): torch's headers that need C++20 (2.14)
+# get the clone's CMAKE_CXX_STANDARD raised to 20; a CUDA build of torch gets
+# the CUDA toolkit found (CUDA_HOME, else /usr/local/cuda) and CUDA C++17
+# (CMake 3.25 has no CUDA20 for nvcc).
+# CHECK_COMPAT_DIAGNOSE=1 also patches the clone where `import torch_opaque`
+# fails under torch 2.14 (Function.apply is a C method there, so
+# hooks/apply.py's copy of its Python code fails): ORIGINAL_APPLY calls the C
+# method and apply routing stays off. Only to see whether the loader itself
+# reads the archives under that torch; a PASS then is no support.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+VENV=${1:-/tmp/venv214}
+TORCH_VERSION=${2:-2.14.1}
+WORK=${WORK:-/tmp/torch_opaque_compat-$TORCH_VERSION}
+PY=$VENV/bin/python
+
+log() { printf '== %s\n' "$*"; }
+die() { printf 'FAIL setup: %s\n' "$*"; exit 2; }
+
+# ---- 1. the environment ------------------------------------------------------
+if [ ! -x "$PY" ]; then
+  log "creating $VENV"
+  python3 -m venv "$VENV" || die "python3 -m venv $VENV"
+fi
+have=$("$PY" -c "import torch; print(torch.__version__.split('+')[0])" 2>/dev/null)
+if [ "$have" != "$TORCH_VERSION" ]; then
+  log "pip install torch==$TORCH_VERSION (into $VENV)"
+  "$VENV/bin/pip" install -q "torch==$TORCH_VERSION" || die "pip install torch==$TORCH_VERSION"
+fi
+mapfile -t requires < <("$PY" - <<'PY'
+import tomllib
+with open("pyproject.toml", "rb") as f:
+    reqs = tomllib.load(f)["build-system"]["requires"]
+for r in reqs:
+    if not r.replace(" ", "").startswith("torch"):
+        print(r)
+print("numpy")
+PY
+)
+log "pip install ${requires[*]}"
+"$VENV/bin/pip" install -q "${requires[@]}" || die "pip install ${requires[*]}"
+torch_full=$("$PY" -c "import torch; print(torch.__version__)") || die "import torch in $VENV"
+log "torch $torch_full in $VENV"
+
+# ---- 2. torch_opaque built into it ---------------------------------------------
+commit=$(git rev-parse HEAD)
+# the last commit that changed what the build reads: a rebuild only after such a change
+sources=$(git log -1 --format=%H -- torch_opaque csrc include cmake CMakeLists.txt pyproject.toml tools)
+stamp=$VENV/torch_opaque_compat.commit
+build_id="$sources $torch_full ${CHECK_COMPAT_NO_WORKAROUNDS:+no-workarounds} ${CHECK_COMPAT_DIAGNOSE:+diagnose}"
+if [ "$(cat "$stamp" 2>/dev/null)" = "$build_id" ] &&
+   "$PY" -c "import importlib.util as u, sys; sys.exit(u.find_spec('torch_opaque') is None)"; then
+  log "torch_opaque (sources of $sources) already built into $VENV"
+else
+  rm -rf "$WORK/src"  # (the build tree is kept: CMake rebuilds what changed)
+  mkdir -p "$WORK"
+  git clone -q "$ROOT" "$WORK/src" || die "git clone $ROOT"
+  (cd "$WORK/src" && git checkout -q "$commit") || die "git checkout $commit"
+  defines=()
+  inc=$("$PY" -c "import os, torch; print(os.path.join(os.path.dirname(torch.__file__), 'include'))")
+  if grep -q "strong_ordering" "$inc/c10/util/intrusive_ptr.h" 2>/dev/null &&
+     grep -q '^set(CMAKE_CXX_STANDARD 17)$' "$WORK/src/CMakeLists.txt"; then
+    if [ -z "${CHECK_COMPAT_NO_WORKAROUNDS:-}" ]; then
+      log "WORKAROUND: torch $torch_full's headers need C++20 (c10/util/intrusive_ptr.h uses std::strong_ordering), CMakeLists.txt sets C++17: the clone is built with CMAKE_CXX_STANDARD 20"
+      sed -i 's/^set(CMAKE_CXX_STANDARD 17)$/set(CMAKE_CXX_STANDARD 20)/' "$WORK/src/CMakeLists.txt"
+    else
+      log "NOTE: torch $torch_full's headers need C++20, CMakeLists.txt sets C++17 (no workaround)"
+    fi
+  fi
+  if [ "$("$PY" -c "import torch; print(torch.version.cuda or '')")" != "" ] &&
+     [ -z "${CHECK_COMPAT_NO_WORKAROUNDS:-}" ]; then
+    cuda=${CUDA_HOME:-/usr/local/cuda}
+    log "WORKAROUND: torch $torch_full is a CUDA build: its CMake package needs the CUDA toolkit ($cuda); CUDA C++17, TORCH_CUDA_ARCH_LIST=9.0 (torch_opaque compiles no CUDA)"
+    defines+=(-C "cmake.define.CUDA_TOOLKIT_ROOT_DIR=$cuda" -C cmake.define.CMAKE_CUDA_STANDARD=17
+              -C cmake.define.TORCH_CUDA_ARCH_LIST=9.0)
+  fi
+  if [ -n "${CHECK_COMPAT_DIAGNOSE:-}" ]; then
+    "$PY" - "$WORK/src/torch_opaque/hooks/apply.py" <<'PY' || die "CHECK_COMPAT_DIAGNOSE: patching hooks/apply.py"
+import sys
+path = sys.argv[1]
+s = open(path).read()
+old = "def _copy_original() -> types.FunctionType:\n    func = torch.autograd.Function.apply.__func__\n"
+new = ("def _copy_original() -> types.FunctionType:\n"
+       "    if not hasattr(torch.autograd.Function.apply, '__func__'):  # CHECK_COMPAT_DIAGNOSE\n"
+       "        c_apply = inspect.getattr_static(torch.autograd.Function, 'apply')\n"
+       "        def apply(cls, *args, **kwargs):\n"
+       "            return c_apply.__get__(None, cls)(*args, **kwargs)\n"
+       "        return apply\n"
+       "    func = torch.autograd.Function.apply.__func__\n")
+if old in s:
+    open(path, "w").write(s.replace(old, new))
+    print("== WORKAROUND (diagnostic, CHECK_COMPAT_DIAGNOSE=1): hooks/apply.py: ORIGINAL_APPLY calls "
+          "Function.apply's C method when it has no Python code; apply routing stays off")
+else:
+    print("== CHECK_COMPAT_DIAGNOSE: hooks/apply.py is not as expected: not patched")
+PY
+  fi
+  log "building torch_opaque $commit into $VENV (log: $WORK/build.log; minutes)"
+  if ! (cd "$WORK/src" && CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)} \
+        nice -n 10 "$VENV/bin/pip" install --no-build-isolation --force-reinstall --no-deps \
+        -C "build-dir=$WORK/build" "${defines[@]}" . >"$WORK/build.log" 2>&1); then
+    grep -E "error|Error" "$WORK/build.log" | head -20
+    printf 'FAIL build: torch_opaque does not build against torch %s (%s)\n' "$torch_full" "$WORK/build.log"
+    exit 1
+  fi
+  echo "$build_id" >"$stamp"
+fi
+
+# ---- 3. the fixtures ---------------------------------------------------------------
+# The loader bug these fixtures found (tests/archive/test_archive_compat.py, RANGE_KEY_BUG):
+KNOWN_FAIL=("v2_fold_sc.pt2:the key it is not a size symbol name")
+failed=0
+run_dir=$(mktemp -d)
+if ! (cd "$run_dir" && env -u PYTHONPATH "$PY" -c "import torch_opaque" >/dev/null 2>"$run_dir/import.txt"); then
+  printf 'FAIL import torch_opaque (torch %s): %s\n' "$torch_full" \
+    "$(grep -E 'Error' "$run_dir/import.txt" | tail -1)"
+  grep -E '^  File ' "$run_dir/import.txt" | tail -1
+fi
+for archive in "$ROOT"/tests/fixtures/v*_sc.pt2; do
+  name=$(basename "$archive")
+  ref=${archive%_sc.pt2}_ref.pt
+  case_dir=$run_dir/${name%.pt2}
+  mkdir -p "$case_dir"
+  if [[ $name == v1_* ]]; then
+    cmd=("$PY" "$ROOT/tests/support/scripts/load_run_train.py" "$archive" "$ref" "{}")
+    what="outputs and gradients as the references, exported again, decomposed, inlined, trained"
+  else
+    cmd=("$PY" "$ROOT/tests/support/scripts/load_compat_check.py" "$archive" "$ref" "{}" self_contained)
+    what="outputs and gradients as the references, saved again and reloaded"
+  fi
+  (cd "$case_dir" && env -u PYTHONPATH "${cmd[@]}" >out.txt 2>err.txt)
+  rc=$?
+  json=$(grep '^{' "$case_dir/out.txt" | tail -1)
+  known=""
+  for k in "${KNOWN_FAIL[@]}"; do
+    [ "${k%%:*}" = "$name" ] && known=${k#*:}
+  done
+  if [ $rc -eq 0 ] && "$PY" - "$json" "$torch_full" <<'PY'
+import json, sys
+out = json.loads(sys.argv[1])
+assert out["imported"] == [] and out["findable"] is False, out
+if "torch" in out:
+    assert out["torch"] == sys.argv[2], out["torch"]
+    assert "site-packages" in out["torch_opaque"], out["torch_opaque"]
+    assert all("_stored_" in o for o in out["overloads"]), out["overloads"]
+PY
+  then
+    if [ -n "$known" ]; then
+      printf 'XPASS %s (torch %s): the known loader bug is fixed; update KNOWN_FAIL and the xfail\n' "$name" "$torch_full"
+      failed=1
+    else
+      printf 'PASS %s (torch %s, no user code: %s)\n' "$name" "$torch_full" "$what"
+    fi
+  else
+    last=$(grep -v '^\s*$' "$case_dir/err.txt" | grep -E 'Error|error|assert' | tail -1)
+    if [ -n "$known" ] && grep -q "$known" "$case_dir/err.txt"; then
+      printf 'XFAIL %s (torch %s): known loader bug: %s\n' "$name" "$torch_full" "$last"
+    else
+      printf 'FAIL %s (torch %s): %s (%s)\n' "$name" "$torch_full" "${last:-exit $rc}" "$case_dir/err.txt"
+      failed=1
+    fi
+  fi
+done
+note=${CHECK_COMPAT_DIAGNOSE:+ (diagnostic build, CHECK_COMPAT_DIAGNOSE=1: not the package as committed)}
+[ $failed -eq 0 ] && echo "archive compatibility under torch $torch_full: PASS$note" ||
+  echo "archive compatibility under torch $torch_full: FAIL$note"
+exit $failed
