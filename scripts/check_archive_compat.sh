@@ -131,8 +131,8 @@ PY
 fi
 
 # ---- 3. the fixtures ---------------------------------------------------------------
-# The loader bug these fixtures found (tests/archive/test_archive_compat.py, RANGE_KEY_BUG):
-KNOWN_FAIL=("v2_fold_sc.pt2:the key it is not a size symbol name")
+# Fixtures known to fail, as "name:message fragment" (none today).
+KNOWN_FAIL=()
 failed=0
 run_dir=$(mktemp -d)
 if ! (cd "$run_dir" && env -u PYTHONPATH "$PY" -c "import torch_opaque" >/dev/null 2>"$run_dir/import.txt"); then

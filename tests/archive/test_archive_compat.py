@@ -77,12 +77,6 @@ SELF_CONTAINED = [name for name, (_, sc, _, _) in V2.items() if sc]
 
 # Found by these fixtures; the loader refuses what torch 2.13's torch.export.save
 # writes (and torch.export.load reads). Strict: the test says when it is fixed.
-RANGE_KEY_BUG = (
-    "loader bug: the stored backward of opaque::CompatFold has range_constraints keyed by "
-    "an expression ('4*s57 - 1', torch relates the gradient's size to the ctx row count); "
-    "torch_opaque.load refuses it: \"program.range_constraints['4*s57 - 1']: the key it is "
-    "not a size symbol name. The archive was crafted or corrupted; it is not loaded.\""
-)
 
 
 def _check(tmp_path, archive, options, with_fixtures):
@@ -109,11 +103,7 @@ def test_v2_archive_loads_with_the_allowed_modules(tmp_path, archive):
     assert out["overloads_again"] == out["overloads"]
 
 
-@pytest.mark.parametrize("archive", [
-    pytest.param(a, marks=pytest.mark.xfail(raises=AssertionError, strict=True, reason=RANGE_KEY_BUG))
-    if a == "v2_fold_sc.pt2" else a
-    for a in sorted(SELF_CONTAINED)
-])
+@pytest.mark.parametrize("archive", sorted(SELF_CONTAINED))
 def test_v2_self_contained_archive_loads_without_user_code(tmp_path, archive):
     _, _, ops, _ = V2[archive]
     out = _check(tmp_path, archive, {}, with_fixtures=False)

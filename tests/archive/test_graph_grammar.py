@@ -117,8 +117,8 @@ CASES = {
                                        "holds the control character '\\u202e'"),
     "code in a guard": (lambda m: m.update(guards_code=["__import__('os').system('x') is None"]),
                         "is not a plain check of input sizes"),
-    "bad range symbol": (lambda m: m["range_constraints"].update({"__class__": {"min_val": 0, "max_val": 1}}),
-                         "the key it is not a size symbol name"),
+    "bad range key": (lambda m: m["range_constraints"].update({"s0'); import os; ('": {"min_val": 0, "max_val": 1}}),
+                      "(this key) it is not a size expression"),
 }  # fmt: skip
 
 

@@ -61,6 +61,7 @@ _PATH_RE = re.compile(r"^[A-Za-z0-9_]+(\.[A-Za-z0-9_]+)*$")
 _CALL_FQN_RE = re.compile(r"^([A-Za-z0-9_]+(\.[A-Za-z0-9_]+)*)?(@[0-9]{1,9})?$")
 _VERSION_RE = re.compile(r"^[A-Za-z0-9.+_<=>~!-]{1,64}$")
 _DEVICE_TYPE_RE = re.compile(r"^[a-z_]{1,32}$")
+_RANGE_KEY_RE = re.compile(r"^[A-Za-z0-9_ +*/%(),.<>=!-]+$")
 
 
 def check_name(s) -> Optional[str]:
@@ -151,7 +152,9 @@ _STR_RULES = {
     ("Graph", "sym_bool_values"): check_name,
     ("Graph", "sym_float_values"): check_name,
     ("Graph", "custom_obj_values"): check_name,
-    ("ExportedProgram", "range_constraints"): _pattern(SYMBOL_RE, "a size symbol name"),
+    # keys: str() of a size symbol or expression ('s0', '4*s57 - 1'), only compared with
+    # the str() of the expressions the graph holds, never parsed
+    ("ExportedProgram", "range_constraints"): _pattern(_RANGE_KEY_RE, "a size expression"),
     ("ExportedProgram", "opset_version"): check_name,
     ("GraphModule", "metadata"): check_name,
     ("GraphModule", "treespec_namedtuple_fields"): _PATH,
@@ -246,7 +249,7 @@ class _Walker:
             for k, x in v.items():
                 why = key_rule(k)
                 if why is not None:
-                    raise _Invalid(f"{path}[{k!r:.60}]", f"the key {why}")
+                    raise _Invalid(f"{path}[{k!r:.60}]", f"(this key) {why}")
                 out[k] = self.walk(arg, x, f"{path}[{k!r:.60}]", owner, field)
             return out
         if kind == "str":
