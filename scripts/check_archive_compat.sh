@@ -21,15 +21,16 @@
 # counted as XFAIL, as in tests/archive/test_archive_compat.py).
 #
 # Workarounds, each printed when used (CHECK_COMPAT_NO_WORKAROUNDS=1: none,
-# the build then shows the failure): torch's headers that need C++20 (2.14)
-# get the clone's CMAKE_CXX_STANDARD raised to 20; a CUDA build of torch gets
-# the CUDA toolkit found (CUDA_HOME, else /usr/local/cuda) and CUDA C++17
-# (CMake 3.25 has no CUDA20 for nvcc).
-# CHECK_COMPAT_DIAGNOSE=1 also patches the clone where `import torch_opaque`
-# fails under torch 2.14 (Function.apply is a C method there, so
-# hooks/apply.py's copy of its Python code fails): ORIGINAL_APPLY calls the C
-# method and apply routing stays off. Only to see whether the loader itself
-# reads the archives under that torch; a PASS then is no support.
+# the build then shows the failure): a CUDA build of torch gets the CUDA
+# toolkit found (CUDA_HOME, else /usr/local/cuda) and CUDA C++17 (CMake 3.25
+# has no CUDA20 for nvcc). (CMakeLists.txt picks C++20 itself for torch >=
+# 2.14; a commit from before that, with `set(CMAKE_CXX_STANDARD 17)`, gets the
+# clone's CMAKE_CXX_STANDARD raised to 20 where torch's headers need it.)
+# CHECK_COMPAT_DIAGNOSE=1 is for commits from before Note [Apply in C]
+# (hooks/apply.py), where `import torch_opaque` fails under torch 2.14: it
+# patches the clone so that ORIGINAL_APPLY calls the C method and apply
+# routing stays off. Only to see whether the loader itself reads the archives
+# under that torch; a PASS then is no support.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD

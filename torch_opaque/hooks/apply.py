@@ -34,6 +34,19 @@ the route check as its first statement (compiled from torch's source with
 unrouted call costs one dict look-up and one thread-local read more than
 stock. Where the source is missing or not the expected shape, the two-line
 trampoline above is used.
+
+Note [Apply in C]
+From torch 2.14 ``Function.apply`` is ``_C._FunctionBase``'s C classmethod (a
+``classmethod_descriptor``): there is no Python code to swap. There we set the
+attribute instead, ``Function.apply = classmethod(trampoline)``, once routing
+is installed: every ``Cls.apply`` of a subclass (and every alias bound from
+then on) is a bound method of the trampoline, which Dynamo recognises as
+before. Unrouted calls go to the C method (``_torch_opaque_c_apply``), and
+``ORIGINAL_APPLY`` calls it too. The trampoline's code is compiled under
+torch.autograd.function's file name (tracebacks, Dynamo's skip rules: as for
+the code of Note [Inlined route check]). Aliases bound before routing was
+installed are the C method's and run the ordinary Function. With a Python
+``Function.apply`` (torch 2.13) nothing of this is used.
 """
 
 from __future__ import annotations
@@ -51,6 +64,11 @@ import torch
 _GLOBAL = "_torch_opaque_route_apply"  # route(cls, *args, **kwargs)
 _GLOBALS = (_GLOBAL, "_torch_opaque_original_apply", "_torch_opaque_by_id", "_torch_opaque_auto")
 _APPLY = None  # torch.autograd.Function.apply.__func__, once checked
+
+# Note [Apply in C]: Function.apply's C method where this torch defines it in C, else None.
+_C_APPLY = inspect.getattr_static(torch.autograd.Function, "apply", None)
+if not isinstance(_C_APPLY, types.ClassMethodDescriptorType):
+    _C_APPLY = None
 
 
 def _target() -> Optional[types.FunctionType]:
@@ -87,6 +105,37 @@ class _Template:
 
 
 _TRAMPOLINE = _Template.apply.__code__.replace(co_name="apply", co_qualname="Function.apply")
+
+# Note [Apply in C]: the Function.apply installed where torch's is a C method.
+_C_SOURCE = """
+def apply(cls, *args, **kwargs):
+    if _torch_opaque_by_id.get(id(cls)) is None and not _torch_opaque_auto.depth:
+        return _torch_opaque_c_apply(cls, *args, **kwargs)
+    return _torch_opaque_route_apply(cls, *args, **kwargs)
+"""
+
+
+def _c_trampoline() -> types.CodeType:
+    """_C_SOURCE compiled as if written in torch.autograd.function, on the line
+    ``apply = _C._FunctionBase.__dict__["apply"]`` (else the class's first line):
+    tracebacks point there, and Dynamo skips the frame as it skips Function.apply's
+    Python code in torch 2.13 (``torch.compile(Cls.apply)`` runs it eagerly)."""
+    line, start, end = 1, 0, 0
+    try:
+        lines, first = inspect.getsourcelines(torch.autograd.Function)
+        i = next((i for i, x in enumerate(lines) if x.strip().startswith("apply =")), 0)
+        line, text = first + i, lines[i].rstrip()
+        start, end = len(text) - len(text.lstrip()), len(text)  # the whole line: no carets
+    except (OSError, TypeError):
+        pass
+    tree = ast.parse(_C_SOURCE)
+    for node in ast.walk(tree):
+        if hasattr(node, "lineno"):
+            node.lineno = node.end_lineno = line
+            node.col_offset, node.end_col_offset = start, end
+    module = compile(tree, torch.autograd.function.__file__, "exec", dont_inherit=True)
+    (code,) = [c for c in module.co_consts if isinstance(c, types.CodeType)]
+    return code.replace(co_qualname="Function.apply")
 
 # Note [Inlined route check]: the statement put first in Function.apply's code.
 _CHECK = """
@@ -149,7 +198,21 @@ def _inlined_trampoline(code: types.CodeType) -> Optional[types.CodeType]:
     return found[0].replace(co_qualname="Function.apply")
 
 
+def _c_original(c_apply) -> types.FunctionType:
+    """Note [Apply in C]: ORIGINAL_APPLY where Function.apply is a C method."""
+
+    def apply(cls, *args, **kwargs):
+        return c_apply(cls, *args, **kwargs)
+
+    apply.__qualname__ = "Function.apply"
+    apply.__module__ = torch.autograd.function.__name__
+    apply.__doc__ = c_apply.__doc__
+    return apply
+
+
 def _copy_original() -> types.FunctionType:
+    if _C_APPLY is not None:
+        return _c_original(_C_APPLY)
     func = torch.autograd.Function.apply.__func__
     code = func.__code__
     if code is _TRAMPOLINE or "_torch_opaque_by_id" in code.co_names:  # pragma: no cover
@@ -176,6 +239,8 @@ def install_apply_route(route: Callable, by_id: dict, auto_state) -> bool:
     global _APPLY
     if _APPLY is not None:
         return True
+    if _C_APPLY is not None:
+        return _install_c_route(route, by_id, auto_state)
     func = _target()
     if func is None:
         return False
@@ -192,6 +257,37 @@ def install_apply_route(route: Callable, by_id: dict, auto_state) -> bool:
     return True
 
 
+def _install_c_route(route: Callable, by_id: dict, auto_state) -> bool:
+    """install_apply_route where Function.apply is a C method (Note [Apply in C])."""
+    global _APPLY
+    namespace = vars(torch.autograd.function)
+    if inspect.getattr_static(torch.autograd.Function, "apply", None) is not _C_APPLY or any(
+        g in namespace for g in _GLOBALS + ("_torch_opaque_c_apply",)
+    ):
+        warnings.warn(
+            f"torch_opaque: cannot route autograd.Function.apply on torch {torch.__version__} "
+            f"(it was replaced by someone else); `f = Cls.apply` and calls inside auto() run the "
+            f"ordinary Function. Call Cls.apply of wrapped classes directly, or report this.",
+            stacklevel=3,
+        )
+        return False
+    namespace.update(
+        {
+            _GLOBAL: route,
+            "_torch_opaque_original_apply": ORIGINAL_APPLY,
+            "_torch_opaque_c_apply": _C_APPLY,
+            "_torch_opaque_by_id": by_id,
+            "_torch_opaque_auto": auto_state,
+        }
+    )
+    func = types.FunctionType(_c_trampoline(), namespace, "apply")
+    func.__qualname__ = "Function.apply"
+    func.__doc__ = _C_APPLY.__doc__
+    torch.autograd.Function.apply = classmethod(func)
+    _APPLY = func
+    return True
+
+
 def is_apply(obj) -> bool:
     """Whether ``obj`` is the (rerouted) function behind every ``Cls.apply``."""
-    return obj is torch.autograd.Function.apply.__func__
+    return obj is not None and obj is getattr(torch.autograd.Function.apply, "__func__", None)
