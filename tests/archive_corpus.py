@@ -248,21 +248,24 @@ def graph_of(model: dict) -> dict:
     return model["graph_module"]["graph"]
 
 
+def json_objects(obj):
+    """Every JSON object (dict) in `obj`, nested ones included, parents first."""
+    stack = [obj]
+    while stack:
+        o = stack.pop()
+        if isinstance(o, dict):
+            yield o
+            stack.extend(reversed(list(o.values())))
+        elif isinstance(o, list):
+            stack.extend(reversed(o))
+
+
 def rename_value(model: dict, old: str, new: str) -> None:
     """Renames a tensor value everywhere it is named: the graph's inputs and
     outputs, node arguments and outputs, the signature, ``tensor_values``."""
-
-    def walk(o):
-        if isinstance(o, dict):
-            if set(o) == {"name"} and o["name"] == old:  # a TensorArgument
-                o["name"] = new
-            for v in o.values():
-                walk(v)
-        elif isinstance(o, list):
-            for v in o:
-                walk(v)
-
-    walk(model)
+    for o in json_objects(model):
+        if set(o) == {"name"} and o["name"] == old:  # a TensorArgument
+            o["name"] = new
     tv = graph_of(model)["tensor_values"]
     tv[new] = tv.pop(old)
 
@@ -296,21 +299,12 @@ def tensor(name: str) -> dict:
 def replace_expr(model: dict, new: str, count: int = 1) -> None:
     """Replaces the first `count` symbolic size expressions (``expr_str``) of a
     graph by `new`."""
-    done = [0]
-
-    def walk(o):
-        if isinstance(o, dict):
-            if isinstance(o.get("expr_str"), str) and done[0] < count:
-                o["expr_str"] = new
-                done[0] += 1
-            for v in o.values():
-                walk(v)
-        elif isinstance(o, list):
-            for v in o:
-                walk(v)
-
-    walk(model)
-    assert done[0], "no symbolic expression in the graph"
+    done = 0
+    for o in json_objects(model):
+        if isinstance(o.get("expr_str"), str) and done < count:
+            o["expr_str"] = new
+            done += 1
+    assert done, "no symbolic expression in the graph"
 
 
 def edit_text(name_suffix: str, pattern: str, replacement: str) -> Callable:

@@ -16,6 +16,8 @@ from torch_opaque.archive.program import check_model_json, deserialize
 from torch_opaque.archive.zipio import ArchiveLimits
 from torch_opaque.errors import ArchiveError
 
+from archive_corpus import json_objects
+
 
 class Net(torch.nn.Module):
     def __init__(self):
@@ -66,15 +68,7 @@ def edited(program, fn):
 
 
 def _first_expr(model):
-    stack = [model]
-    while stack:
-        o = stack.pop()
-        if isinstance(o, dict):
-            if isinstance(o.get("expr_str"), str):
-                return o
-            stack.extend(o.values())
-        elif isinstance(o, list):
-            stack.extend(o)
+    return next(o for o in json_objects(model) if isinstance(o.get("expr_str"), str))
 
 
 CASES = {
