@@ -54,6 +54,13 @@ def corpus(base, d, marker) -> list:
     def case(name, src_or_path, options, load, inspect="ok"):
         cases.append((name, src_or_path, options, load, inspect))
 
+    def graph_cases(prefix, edits, expected):
+        """One case per (label, source archive, load options, model JSON edit)."""
+        for k, (label, src, opts, fn) in enumerate(edits):
+            p = d / f"{prefix}_{k}.pt2"
+            C.rewrite(src, p, C.edit_json("/models/model.json", fn))
+            case(f"graph: {label}", p, opts, ("ArchiveError", expected))
+
     # -- pickles in every part that holds one
     for label, src, opts in (("net", net, ALLOW), ("sc", sc, {}), ("plain", plain, {})):
         p = d / f"sample_{label}.pt2"
@@ -279,10 +286,7 @@ def corpus(base, d, marker) -> list:
         ("forward_arg_names", net, ALLOW, lambda m: m["graph_module"]["module_call_graph"][0]["signature"].update(
             forward_arg_names=[f"x=open('{rel}', 'w')"])),
     ]  # fmt: skip
-    for k, (label, src, opts, fn) in enumerate(name_cases):
-        p = d / f"names_{k}.pt2"
-        C.rewrite(src, p, C.edit_json("/models/model.json", fn))
-        case(f"graph: {label}", p, opts, ("ArchiveError", "is not a valid name"))
+    graph_cases("names", name_cases, "is not a valid name")
     p = d / "sc_names_placeholder.pt2"
     C.edit_stored_program(sc, p, "fwd", C.edit_json("/models/model.json",
                           lambda m: C.add_placeholder(m, f"y=open('{rel}', 'w')", "flat_0")))  # fmt: skip
@@ -324,10 +328,7 @@ def corpus(base, d, marker) -> list:
         ("aten.from_file", net, ALLOW, lambda m: C.graph_of(m)["nodes"].insert(0, from_file_node(m))),
         ("profiler op", net, ALLOW, lambda m: C.graph_of(m)["nodes"].insert(0, profiler_node(m))),
     ]  # fmt: skip
-    for k, (label, src, opts, fn) in enumerate(op_cases):
-        p = d / f"ops_{k}.pt2"
-        C.rewrite(src, p, C.edit_json("/models/model.json", fn))
-        case(f"graph: {label}", p, opts, ("ArchiveError", "not an operator a loaded program may call"))
+    graph_cases("ops", op_cases, "not an operator a loaded program may call")
     p = d / "sc_ops_from_file.pt2"
     C.edit_stored_program(sc, p, "fwd", C.edit_json("/models/model.json",
                           lambda m: C.graph_of(m)["nodes"].insert(0, from_file_node(m))))  # fmt: skip
