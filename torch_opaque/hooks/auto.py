@@ -42,6 +42,8 @@ up at every stage, and each is caught there:
   stock Function raises too is the user's error and propagates unchanged;
 - backward: the error propagates (the forward already ran as an op) with a
   note, and the class is fallen back from the next call on.
+Exceptions that are control flow pass through every stage untouched, with no
+re-run and no fall-back (Note [Control-flow exceptions]).
 A fallen-back class met while a graph is traced (torch.export, Dynamo) gets
 one more warning: the trace inlines its forward, so its custom backward is
 not in the graph. State is per thread (``auto()`` in one thread does not
@@ -52,6 +54,7 @@ class (weakly) for the process.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import threading
 import warnings
@@ -153,6 +156,69 @@ def _why(e: BaseException) -> str:
     return f"{type(e).__name__}: {text}" if text else type(e).__name__
 
 
+# Note [Control-flow exceptions]
+# Some exceptions that leave an op call are not the op's failure but control
+# flow of the code around it: non-reentrant checkpoint stops its recomputation
+# by raising torch.utils.checkpoint._StopRecomputationError from its pack hook
+# once it has every tensor it needs (i.e. from inside the op's autograd kernel,
+# while it saves the op's residuals); a user's saved_tensors_hooks pack hook may
+# raise on purpose; KeyboardInterrupt, SystemExit and other BaseExceptions that
+# are not Exceptions stop the program. Stock runs none of them twice, so auto()
+# must neither re-run the call as the ordinary Function (that would run the
+# hook again: checkpoint then finds its state broken, "Unexpected state:
+# target_frame.early_stop is set", and a stateful hook may not raise a second
+# time, hiding the user's error) nor mark the class fallen back: the exception
+# propagates unchanged, as stock's does. control_flow() tells them apart: not
+# an Exception, a checkpoint stop, or raised while a frame of the active
+# saved-tensor hooks was running (found in the exception's traceback; the
+# autograd kernel calls the pack hook after the forward succeeded, so such an
+# error says nothing of the op). Unpack hooks run in the engine before the
+# op's backward is called, so they never reach the backward guard; a backward
+# that raises control flow itself is not a backward failure either.
+
+
+def _hook_codes(hooks) -> set:
+    codes = set()
+    for h in hooks or ():
+        for _ in range(4):  # a partial, a bound method, a callable object
+            if isinstance(h, functools.partial):
+                h = h.func
+            elif hasattr(h, "__func__"):
+                h = h.__func__
+            elif hasattr(h, "__code__") or not callable(h):
+                break
+            else:
+                h = getattr(type(h), "__call__", None)
+        code = getattr(h, "__code__", None)
+        if code is not None:
+            codes.add(code)
+    return codes
+
+
+def control_flow(e: BaseException) -> bool:
+    """Whether ``e`` is control flow that auto() passes through untouched
+    (Note [Control-flow exceptions])."""
+    if not isinstance(e, Exception):
+        return True
+    from torch.utils.checkpoint import _StopRecomputationError
+
+    if isinstance(e, _StopRecomputationError):
+        return True
+    try:
+        hooks = torch._C._autograd._top_saved_tensors_default_hooks(True)
+    except Exception:  # pragma: no cover - another torch version
+        return False
+    codes = _hook_codes(hooks)
+    if not codes:
+        return False
+    tb = e.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code in codes:
+            return True
+        tb = tb.tb_next
+    return False
+
+
 def fall_back(cls: type, reason: str) -> None:
     """Keep ``cls`` an ordinary Function from now on, saying why (once)."""
     if cls in _FALLEN:
@@ -202,6 +268,8 @@ def routed(cls: type):
                 function.wrap(cls, _patch_apply=False)
                 fn = function.lookup(cls)
             except Exception as e:  # definition stage: schema, naming, signature
+                if control_flow(e):
+                    raise
                 reason = _why(e)
         if fn is None:
             if _torch_owned(cls):  # stock, silently
@@ -260,6 +328,8 @@ def call(cls: type, args: tuple, kwargs: dict):
             rng = None if _tracing(args) else torch.get_rng_state()
             ov, primed = fn.first_call(values)
     except Exception as e:  # first call: schema from the values, the forward's outputs
+        if control_flow(e):  # Note [Control-flow exceptions]
+            raise
         if rng is not None:
             torch.set_rng_state(rng)  # stock draws what the failed run drew
         out = ORIGINAL_APPLY(cls, *args, **kwargs)  # stock's own error propagates
@@ -275,6 +345,8 @@ def call(cls: type, args: tuple, kwargs: dict):
             check_recording(ov, values)
         out = ov(values) if primed is None else ov.call_primed(values, *primed)
     except Exception as e:  # forward / fake kernel / ctx encoding under the op
+        if control_flow(e):  # a checkpoint stop from its pack hook: Note [Control-flow exceptions]
+            raise
         if rng is not None:
             torch.set_rng_state(rng)
         out = ORIGINAL_APPLY(cls, *args, **kwargs)  # stock's own error propagates
@@ -303,8 +375,9 @@ def check_recording(ov, values) -> None:
 
 def backward_failed(cls: type, e: BaseException) -> None:
     """Backward stage: the forward already ran as an op, so this error stands;
-    later calls run the ordinary Function."""
-    if cls is None:
+    later calls run the ordinary Function. Control flow raised by the backward
+    is no failure of it (Note [Control-flow exceptions])."""
+    if cls is None or control_flow(e):
         return
     fall_back(cls, f"its backward failed under the op ({_why(e)})")
     e.add_note(
