@@ -21,6 +21,7 @@ import collections.abc
 import dataclasses
 import inspect
 import math
+import numbers
 import types
 import typing
 from typing import Any, Callable, Optional, Sequence
@@ -43,6 +44,8 @@ class ArgSpec:
     token: str  # used in overload names
     convert: Optional[Callable[[Any], Any]] = None  # kernel value -> forward value
     default: Any = inspect.Parameter.empty
+    # the annotation the spec comes from (None: from a value); for messages only
+    hint: Any = dataclasses.field(default=None, compare=False, repr=False)
 
     @property
     def is_tensor(self) -> bool:
@@ -270,11 +273,99 @@ def specs_from_hints(forward: Callable, names: Sequence[str], defaults: dict, fn
         return None
     try:
         return [
-            _spec_from_hint(fn_name, n, hints[n], defaults.get(n, inspect.Parameter.empty))
+            dataclasses.replace(
+                _spec_from_hint(fn_name, n, hints[n], defaults.get(n, inspect.Parameter.empty)),
+                hint=hints[n],
+            )
             for n in names
         ]
     except _FromValues:
         return None
+
+
+# Note [Hints are advice]
+# Python does not check annotations: norse's SuperSpike.forward(ctx,
+# input_tensor: torch.Tensor, alpha: float) is called with
+# alpha=torch.as_tensor(100.0), and stock runs it. A schema from the hints
+# ("float alpha") would turn that call into the dispatcher's "Expected a value
+# of type 'float' ... found type 'FakeTensor'" under export, or quietly into a
+# float in eager (and truncate a float passed to an `int` hint). So the hints'
+# overload serves only the calls whose values it carries as they are
+# (hints_accept: a Tensor for Tensor, None or the type for Optional, an int
+# for float, which loses nothing, but no float for int, no bool for int or
+# float, no 0-dim tensor for a scalar); any other call gets an overload
+# inferred from its values, as an unannotated forward would (named by their
+# kinds, e.g. Name.Tensor_Tensor, next to the hints' default overload), so the
+# forward receives what stock gives it. A call whose values no schema carries
+# at all gets a SchemaError naming the class, the argument, its hint, the
+# value's type and the fix (specs_for_call).
+
+
+def _accepts(typ: str, v: Any) -> bool:
+    """Whether an argument of schema type `typ` (from a hint) carries `v` unchanged."""
+    if typ.endswith("?"):
+        return v is None or _accepts(typ[:-1], v)
+    if typ == "Tensor":
+        return isinstance(v, torch.Tensor)
+    if isinstance(v, (bool, torch.SymBool)):
+        return typ == "bool"
+    if typ == "SymInt":
+        return isinstance(v, (numbers.Integral, torch.SymInt))
+    if typ == "float":
+        return isinstance(v, (numbers.Real, torch.SymInt, torch.SymFloat))
+    if typ == "bool":
+        return False
+    if typ == "str":
+        return isinstance(v, str)
+    if typ == "ScalarType":
+        return isinstance(v, torch.dtype)
+    if typ == "Device":
+        return isinstance(v, torch.device)
+    if typ.endswith("[]"):
+        return isinstance(v, (list, tuple)) and all(_accepts(typ[:-2], x) for x in v)
+    return True  # a type this check does not know: the hint stands
+
+
+def hints_accept(specs: Sequence[ArgSpec], values: Sequence[Any]) -> bool:
+    """Whether the hints' schema carries these values as they are (Note [Hints are advice])."""
+    if len(specs) != len(values):
+        return False
+    for s, v in zip(specs, values):
+        if not _accepts(s.type, v):
+            return False
+    return True
+
+
+def _hint_text(hint: Any) -> str:
+    if isinstance(hint, type):
+        return hint.__name__ if hint.__module__ == "builtins" else f"{hint.__module__}.{hint.__qualname__}"
+    return repr(hint).replace("typing.", "")
+
+
+def specs_for_call(hint_specs: Optional[Sequence[ArgSpec]], names: Sequence[str],
+                   values: Sequence[Any], defaults: dict, fn_name: str) -> tuple:
+    """(specs, overload name) of the overload that a call with these values
+    uses: the hints' (overload "") when they carry the values, else inferred
+    from the values (Note [Hints are advice])."""
+    if hint_specs is not None and hints_accept(hint_specs, values):
+        return list(hint_specs), ""
+    try:
+        specs = specs_from_values(names, values, defaults, fn_name)
+    except SchemaError as e:
+        if hint_specs is None:
+            raise
+        spec, value = next(
+            ((s, v) for s, v in zip(hint_specs, values) if not _accepts(s.type, v)),
+            (hint_specs[0], values[0]),
+        )
+        raise SchemaError(
+            f"torch_opaque: {fn_name}.forward: argument '{spec.name}' is annotated as "
+            f"{_hint_text(spec.hint)}, but this call passes a {type(value).__name__}, which "
+            f"neither that annotation's schema ({spec.type}) nor one inferred from the value "
+            f"carries ({str(e).removeprefix('torch_opaque: ')}). Pass a "
+            f"{_hint_text(spec.hint)} as annotated, or correct the annotation."
+        ) from e
+    return specs, "_".join(s.token for s in specs) or "noargs"
 
 
 class _FromValues(Exception):

@@ -135,8 +135,9 @@ def _python_overload(fn, ov: OverloadRecord, description: str) -> Optional[tuple
             )
         _check_claims(fn, ov, description)
         return None
-    if fn.hint_specs is not None:
-        specs, name = fn.hint_specs, ""
+    if fn.hint_specs is not None and overload == "default":
+        specs, name = fn.hint_specs, ""  # (a call whose values the hints do not
+        # carry has an overload from its values: Note [Hints are advice])
     else:
         tokens = ov.tokens
         if tokens is None or any(t not in _EXAMPLES for t in tokens):
