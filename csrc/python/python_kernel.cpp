@@ -7,6 +7,9 @@
 #include <torch_opaque/forward_record.h>
 
 #include <c10/core/InferenceMode.h>
+#include <c10/core/AutogradState.h>
+#include <c10/core/GradMode.h>
+#include <ATen/core/grad_mode.h>
 #include <c10/util/SmallVector.h>
 #include <torch/csrc/DynamicTypes.h>
 #include <torch/csrc/autograd/python_variable.h>
@@ -225,21 +228,52 @@ struct ForwardSpec {
   std::optional<std::vector<Kind>> kinds;
 };
 
+// Note [User code sees autograd]
+// The op's kernels run below Autograd, but the user's forward and backward
+// are Python code that stock PyTorch runs with the full dispatcher: a forward
+// under no_grad that may build a graph inside `with torch.enable_grad()` (the
+// recompute idiom, reentrant checkpoint), a backward whose grad mode is the
+// engine's (create_graph) and which may call torch.autograd.grad or
+// .backward() itself (reentrant backward). So while user code runs, the
+// Autograd and ADInplaceOrView keys this kernel's caller excluded are
+// included again (ADInplaceOrView also makes in-place ops bump versions: Note
+// [In-place forwards]), and a forward runs with grad mode and forward-mode AD
+// off, as THPFunction_apply runs it. Two exceptions: inference mode keeps its
+// own key set, and under a torch.func level (functorch's keys included) the
+// transform stack decides (Note [Nested grad]).
+struct UserCodeScope {
+  explicit UserCodeScope(bool forward) {
+    const bool functorch =
+        c10::impl::tls_is_dispatch_key_included(c10::DispatchKey::FuncTorchDynamicLayerFrontMode);
+    if (c10::InferenceMode::is_enabled()) return;
+    auto tls = c10::impl::tls_local_dispatch_key_set();
+    tls.excluded_ = functorch ? tls.excluded_.remove(c10::DispatchKey::ADInplaceOrView)
+                              : tls.excluded_ - c10::autograd_dispatch_keyset_with_ADInplaceOrView;
+    keys.emplace(tls);
+    if (forward && !functorch) {
+      grad.emplace(false);
+      fw_grad.emplace(false);
+    }
+  }
+  std::optional<c10::impl::ForceDispatchKeyGuard> keys;
+  std::optional<at::AutoGradMode> grad;
+  std::optional<c10::AutoFwGradMode> fw_grad;
+};
+
 // Calls the user's forward with `ctx` on `args` (the values forward expects)
 // and returns what it returned, refusing a forward that modified an argument.
 py::object call_checked_forward(const ForwardSpec& s, const py::object& args,
                                 const py::object& ctx) {
   // Note [In-place forwards]: the user's code runs where ops bump version
-  // counters (below Autograd, above ADInplaceOrView), as stock forwards do;
+  // counters (ADInplaceOrView included: Note [User code sees autograd]), as
+  // stock forwards do;
   // an argument whose version changed was modified in place, which an op
   // without a mutable schema must not do. This is the one check: the kernel
   // and the first eager call (run_first_forward_from_python) both run it.
   // (Inference mode keeps its own key set; inference tensors and sparse
   // tensors, which bump versions in some reading ops, are not checked.)
   const bool inference = c10::InferenceMode::is_enabled();
-  auto tls = c10::impl::tls_local_dispatch_key_set();
-  if (!inference) tls.excluded_ = tls.excluded_.remove(c10::DispatchKey::ADInplaceOrView);
-  c10::impl::ForceDispatchKeyGuard below_autograd(tls);
+  UserCodeScope as_user_code(/*forward=*/true);
   // (argument index, tensor, version before); list items count as their argument.
   c10::SmallVector<std::tuple<size_t, at::Tensor, uint32_t>, 8> versions;
   auto note = [&](size_t i, PyObject* o) {
@@ -393,7 +427,11 @@ std::vector<at::Tensor> run_backward(const BackwardSpec& s, BackwardArgs args,
   py::object needs_py = steal(bool_tuple(needs));
   py::object ctx = steal(
       new_backward_context(s.fn_name.ptr(), saved_py.ptr(), needs_py.ptr(), attrs.ptr()));
-  py::object res = call_with_tensors(s.backward.ptr(), ctx.ptr(), grads);
+  py::object res;
+  {
+    UserCodeScope as_user_code(/*forward=*/false);  // Note [User code sees autograd]
+    res = call_with_tensors(s.backward.ptr(), ctx.ptr(), grads);
+  }
   if (!PyTuple_Check(res.ptr())) res = steal(PyTuple_Pack(1, res.ptr()));
   const size_t n = s.tensor_args.size();
   if (PyTuple_GET_SIZE(res.ptr()) != static_cast<Py_ssize_t>(n)) {
