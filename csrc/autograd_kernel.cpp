@@ -60,6 +60,19 @@ class OpaqueBackward final : public Node {
 
   std::vector<SavedVariable>& saved() { return saved_; }
 
+  // Note [Backward node introspection] (autograd_kernel.h).
+  OpaqueNodeState introspect(bool with_saved) {
+    OpaqueNodeState s{&op_->definition(), needs_input_grad_, {}, state_, state_ints_,
+                      eager_state_.get()};
+    if (!with_saved) return s;
+    TORCH_CHECK(!released_, "Trying to access the saved tensors of ", name(),
+                " after they were freed (the graph was backwarded through). Pass "
+                "retain_graph=True to backward to keep them.");
+    s.saved.reserve(saved_.size());
+    for (const auto& sv : saved_) s.saved.push_back(sv.unpack(getptr()));
+    return s;
+  }
+
   variable_list apply(variable_list&& grads) override {
     TORCH_CHECK(!released_, "Trying to backward through ", name(),
                 " a second time (or to access its saved tensors after they were "
@@ -262,6 +275,14 @@ c10::List<bool> flag_list(c10::ArrayRef<bool> flags) {
 }
 
 } // namespace
+
+const std::type_info& opaque_backward_type() { return typeid(OpaqueBackward); }
+
+OpaqueNodeState opaque_node_state(Node& node, bool with_saved) {
+  auto* n = dynamic_cast<OpaqueBackward*>(&node);
+  TORCH_INTERNAL_ASSERT(n, "opaque_node_state: not a torch_opaque backward node");
+  return n->introspect(with_saved);
+}
 
 void AutogradKernel::operator()(const c10::OperatorHandle& handle,
                                 c10::DispatchKeySet keys, torch::jit::Stack* stack) {

@@ -6,7 +6,12 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/boxing/KernelFunction.h>
 
+#include <torch/csrc/autograd/function.h>
+
 #include <memory>
+#include <string>
+#include <typeinfo>
+#include <vector>
 
 namespace torch_opaque::detail {
 
@@ -39,5 +44,28 @@ class BackwardAutogradKernel final : public c10::OperatorKernel {
   void operator()(const c10::OperatorHandle& handle, c10::DispatchKeySet keys,
                   torch::jit::Stack* stack);
 };
+
+// Note [Backward node introspection]
+// A stock Function's grad_fn is its ctx: code reads `y.grad_fn.saved_tensors`,
+// the attributes forward set (`y.grad_fn.scale`), `needs_input_grad` and
+// `_forward_cls`. The op's backward node (OpaqueBackward) keeps all of it;
+// this is what the Python type of the node (csrc/python/backward_node_type.cpp)
+// reads. Saved tensors are unpacked as backward unpacks them, so a freed graph
+// raises torch's own error.
+struct OpaqueNodeState {
+  const OpDefinition* definition;  // the op's (alive while the node is)
+  std::vector<bool> needs_input_grad;
+  std::vector<at::Tensor> saved;  // (with_saved only)
+  std::string state;  // encoded ctx attributes, when there is no eager state
+  std::vector<c10::SymInt> state_ints;
+  const EagerState* eager_state;  // the ctx attributes as objects, or nullptr
+};
+
+// The C++ type of the backward node of every op call.
+const std::type_info& opaque_backward_type();
+
+// What `node` (of opaque_backward_type()) holds; `saved` stays empty unless
+// `with_saved` (then a node whose saved tensors were freed raises).
+OpaqueNodeState opaque_node_state(torch::autograd::Node& node, bool with_saved);
 
 } // namespace torch_opaque::detail

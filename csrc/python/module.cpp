@@ -3,6 +3,7 @@
 #include "direct_apply.h"
 #include "kernel_below_autograd.h"
 #include "op_call.h"
+#include "backward_node_type.h"
 #include "python_kernel.h"
 
 #include <c10/core/impl/LocalDispatchKeySet.h>
@@ -65,7 +66,7 @@ PYBIND11_MODULE(_C, m) {
   using namespace torch_opaque::python;
   m.doc() = "torch_opaque C++ core";
   if (!add_direct_apply_type(m.ptr()) || !add_op_call_type(m.ptr()) ||
-      !add_context_types(m.ptr())) {
+      !add_context_types(m.ptr()) || !register_backward_node_type()) {
     throw py::error_already_set();
   }
   py::class_<OpaqueOp, std::shared_ptr<OpaqueOp>>(m, "OpaqueOp")

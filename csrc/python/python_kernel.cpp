@@ -495,6 +495,11 @@ c10::IValue matchable(PyObject* a) {
 
 } // namespace
 
+PyObject* eager_ctx_attributes(const EagerState* state) {
+  const auto* py_state = dynamic_cast<const PyEagerState*>(state);
+  return py_state ? py_state->attrs() : nullptr;
+}
+
 void set_primed(py::object runner, py::object out, py::object ctx) {
   delete std::exchange(tls_primed, nullptr);
   if (!runner.is_none()) {

@@ -62,4 +62,9 @@ pybind11::list run_backward_from_python(pybind11::object runner, pybind11::objec
 // runner clears the slot.
 void set_primed(pybind11::object runner, pybind11::object out, pybind11::object ctx);
 
+// The ctx attribute dict a Python forward left, kept as objects (Note [Eager
+// context state]), when `state` is that of a Python Function; else nullptr.
+// Borrowed.
+PyObject* eager_ctx_attributes(const EagerState* state);
+
 } // namespace torch_opaque::python
