@@ -21,12 +21,19 @@ from ..errors import FakeForwardError, SchemaError, UnsupportedError
 from .bridge import BackwardChecks, ForwardChecks
 from .calls import CallSignature
 from .bridge import check_tensor_outputs  # noqa: F401 (re-exported)
+from . import fake_from_real
+from .tracing import dynamo_disabled
 
 
-def fake_forward_error(fn_name: str, err: BaseException) -> FakeForwardError:
+def fake_forward_error(fn_name: str, err: BaseException, why: str = "") -> FakeForwardError:
+    """``why``: the reason a fake from real runs was refused too (Note [Fake
+    from a real run] in fake_from_real.py)."""
+    if why:
+        why = (f"; its output shapes could not be learnt from runs on stand-in data "
+               f"either: {why}")
     return FakeForwardError(
         f"torch_opaque: {fn_name}.forward cannot run on fake tensors while tracing "
-        f"({type(err).__name__}: {err}). Tracing (torch.export, torch.compile) needs the "
+        f"({type(err).__name__}: {err}{why}). Tracing (torch.export, torch.compile) needs the "
         f"output shapes without real data: add a `fake` staticmethod to {fn_name} with the "
         f"same signature as forward that computes outputs of the right shape and dtype "
         f"(and saves the same tensors), e.g.\n"
@@ -155,8 +162,74 @@ class FakeRunner(Runner):
             _C.set_forward_record(*record)
         return (*outs, residuals)
 
+    def run(self, needs, args, forward=None, setup_context=None) -> tuple:
+        """Runner.run; for the guarded forward (the fake kernel's run, and
+        auto()'s recording check), Dynamo is off (Note [User bodies run without
+        Dynamo] in tracing.py) and a forward that branches on its data gets
+        outputs from real runs (Note [Fake from a real run])."""
+        if forward is not self.guarded_forward:
+            return super().run(needs, args, forward, setup_context)
+        try:
+            with dynamo_disabled(), fake_from_real.discarding_fresh_unbacked(args):
+                return super().run(needs, args, forward, setup_context)
+        except FakeForwardError as e:
+            if not self._from_real_allowed(e):
+                raise
+            return self._run_from_real(needs, args, e)
+
     def call_user(self, ctx, args):
-        return self._guard(super().call_user)(ctx, args)
+        try:
+            with dynamo_disabled(), fake_from_real.discarding_fresh_unbacked(args):
+                return self._guard(super().call_user)(ctx, args)
+        except FakeForwardError as e:
+            if not self._from_real_allowed(e):
+                raise
+            return self._call_user_from_real(ctx, args, e)
+
+    # ---- Note [Fake from a real run] (fake_from_real.py) ----
+
+    def _from_real_allowed(self, err: FakeForwardError) -> bool:
+        return not self.has_user_fake and fake_from_real.is_data_dependent(err)
+
+    def _run_from_real(self, needs, args, err) -> tuple:
+        """(outputs, residuals, record) of the fake kernel, from real runs."""
+        plain = Runner.run
+
+        def run(*stand_ins):
+            outs, residuals, record = plain(self, needs, stand_ins, self.forward, self.setup_context)
+            extra = (len(outs), None if record is None else tuple(map(_hashable, record[:4])))
+            ints = [] if record is None else list(record[4])
+            if needs is None:  # not recorded (the main op's fake): no residuals wanted
+                residuals = []
+            return [*outs, *residuals], ints, extra
+
+        try:
+            made, ints, (n_out, rec) = fake_from_real.outputs_from_real(
+                run, list(args), free=self.n_out
+            )
+        except fake_from_real.NotShapeFollowing as why:
+            raise fake_forward_error(self.fn_name, err.__cause__ or err, str(why)) from err
+        record = None if rec is None else (*(list(r) if isinstance(r, tuple) else r for r in rec), ints)
+        return made[:n_out], list(made[n_out:]), record
+
+    def _call_user_from_real(self, ctx, args, err):
+        """What forward returns, as fakes (the first-call probe, jvp fakes)."""
+        from .context import ForwardContext
+
+        plain = Runner.call_user
+        needs = tuple(getattr(ctx, "needs_input_grad", (False,) * len(args)))
+
+        def run(*stand_ins):
+            out = plain(self, ForwardContext(self.fn_name, needs), list(stand_ins))
+            outs = out if isinstance(out, tuple) else (out,)
+            check_tensor_outputs(self.fn_name, outs)
+            return list(outs), [], isinstance(out, tuple)
+
+        try:
+            made, _, is_tuple = fake_from_real.outputs_from_real(run, list(args))
+        except fake_from_real.NotShapeFollowing as why:
+            raise fake_forward_error(self.fn_name, err.__cause__ or err, str(why)) from err
+        return tuple(made) if is_tuple else made[0]
 
     def _guard(self, fn: Callable) -> Callable:
         def guarded(*args):
@@ -221,16 +294,41 @@ class BackwardRunner(BackwardChecks):
         return tuple(saved[:n_explicit]), attrs
 
 
+def _hashable(v):
+    return tuple(v) if isinstance(v, list) else v
+
+
 def make_backward_fake(runner: BackwardRunner, fn_name: str) -> Callable:
+    """The fake kernel of ``Name_bwd``: the user's backward on fake tensors.
+    Its gradients have the forward inputs' shapes, so unbacked sizes made inside
+    (snntorch's ``grad[input_ < 0] = 0``) are not left pending; a backward that
+    branches on its data gets fakes from real runs (Note [Fake from a real run])."""
+
     def fake_backward(saved, grads, needs_input_grad, state, state_ints):
+        values = [list(saved), list(grads), list(state_ints)]
         try:
-            return list(runner(saved, grads, needs_input_grad, state, state_ints)[0])
+            with dynamo_disabled(), fake_from_real.discarding_fresh_unbacked(values, ignore=True):
+                return list(runner(saved, grads, needs_input_grad, state, state_ints)[0])
         except Exception as e:
+            why = ""
+            if fake_from_real.is_data_dependent(e):
+                try:
+                    return _backward_from_real(runner, values, needs_input_grad, state)
+                except fake_from_real.NotShapeFollowing as w:
+                    why = f"; its gradient shapes could not be learnt from runs on stand-in data: {w}"
             raise RuntimeError(
                 f"torch_opaque: {fn_name}.backward cannot run on fake tensors while tracing "
-                f"a training graph ({type(e).__name__}: {e}). Write the backward with "
+                f"a training graph ({type(e).__name__}: {e}{why}). Write the backward with "
                 f"torch operations (no numpy, .item() or data-dependent Python), or trace "
                 f"for inference only (torch.no_grad / torch.export)."
             ) from e
 
     return fake_backward
+
+
+def _backward_from_real(runner: BackwardRunner, values, needs_input_grad, state) -> list:
+    def run(saved, grads, state_ints):
+        return list(runner(saved, grads, needs_input_grad, state, state_ints)[0]), [], None
+
+    made, _, _ = fake_from_real.outputs_from_real(run, values)
+    return list(made)

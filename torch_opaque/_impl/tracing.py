@@ -26,9 +26,47 @@ arguments returning one gradient or None per forward argument
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Sequence
+import contextlib
+import sys
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
+
+# Note [User bodies run without Dynamo]
+# torch_opaque runs the user's forward, ``fake`` and backward itself to make
+# fake kernels, probe a first call's outputs and trace call kinds to ATen
+# (archives, ONNX). Those bodies may be ``torch.compile``d, or call compiled
+# helpers (transformers' BitNet ``WeightQuant`` decorates its forward with
+# ``@torch.compile``). A compiled function called on fake tensors outside a
+# Dynamo trace runs its compiled kernels on them: Inductor's C++ kernels read
+# the fakes' (null) data pointers and the process crashes, aot_eager's raise.
+# So every such run is inside :func:`dynamo_disabled`, which sets Dynamo's
+# stance to "force_eager" (what ``torch.compiler.set_stance("force_eager")``
+# sets): a compiled function then calls its original Python, which runs on
+# fakes like any forward, and a Dynamo or export trace around the call sees
+# its ATen ops. The stance is set directly (``eval_frame._stance``), since
+# the public setter refuses while a compile region is active, which is when
+# Dynamo runs fake kernels. The stance is process-wide: another thread
+# calling a compiled function meanwhile runs it eagerly (same values). Real
+# kernels (eager calls of the op) keep running the compiled forward, as
+# stock autograd.Function does.
+
+
+@contextlib.contextmanager
+def dynamo_disabled() -> Iterator[None]:
+    """Compiled functions called inside run their original Python (Note [User
+    bodies run without Dynamo])."""
+    ef = sys.modules.get("torch._dynamo.eval_frame")
+    prior = getattr(ef, "_stance", None)
+    if prior is None or prior.stance == "force_eager":  # Dynamo not loaded: nothing compiled
+        yield
+        return
+    ef._stance = ef.DynamoStance("force_eager", prior.skip_guard_eval_unsafe, prior.backend)
+    try:
+        yield
+    finally:
+        ef._stance = prior
+
 
 # The size given to a symbolic dimension whose hint is unknown (an unbacked
 # size, or one the shape environment cannot evaluate). Not 0 or 1, which
@@ -192,7 +230,8 @@ class ForwardTrace(torch.nn.Module):
         args = self.template.rebuild(list(flat))
         args, _, needs = self.runner.signature.split_needs_input_grad(args, {})
         needs = tuple(bool(n) for n in needs) if needs is not None else self.needs
-        outs, residuals, record = self.runner.run(needs, args)
+        with dynamo_disabled():
+            outs, residuals, record = self.runner.run(needs, args)
         if record is None:
             return tuple(outs)
         if self._report is not None:
@@ -221,7 +260,8 @@ class BackwardTrace(torch.nn.Module):
 
     def forward(self, flat):
         saved, grads, needs, state, state_ints = self.template.rebuild(list(flat))
-        res = self.backward(list(saved), list(grads), list(needs), state, list(state_ints))
+        with dynamo_disabled():
+            res = self.backward(list(saved), list(grads), list(needs), state, list(state_ints))
         positions = self.positions
         if positions is None:
             positions = tuple(i for i, g in enumerate(res) if g is not None)
