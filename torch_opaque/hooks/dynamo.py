@@ -21,6 +21,10 @@ Installation is lazy: ``import torch_opaque`` does not import torch._dynamo
 (about a second and 70 MiB). ``install_when_dynamo_loads`` patches at once
 if Dynamo is already loaded, else adds a ``sys.meta_path`` finder that
 patches right after ``torch._dynamo`` finishes importing.
+
+Under torch.compile (not strict export) a Function whose forward has side
+effects is not emitted as the op: auto() falls back, an explicitly wrapped
+class is refused (Note [Forward side effects] in _impl/side_effects.py).
 """
 
 from __future__ import annotations
@@ -77,15 +81,6 @@ def _arg_trackers(fn, tx, args, kwargs) -> list:
     return arg_vts
 
 
-def _check_traceable(fn, ov, examples) -> None:
-    """Auto mode, first trace of an overload: run its fake forward (recording
-    ctx) so a failure falls back before anything is emitted."""
-    from .auto import check_recording
-
-    check_recording(ov, examples)
-    fn.auto_checked.add(ov.name)
-
-
 def _emit(tx, fn, arg_vts, ov):
     from torch._dynamo.variables import VariableTracker
     from torch._dynamo.variables.lists import TupleVariable
@@ -113,6 +108,75 @@ def _in_place_results(fn, arg_vts, ov, out):
     return TupleVariable(outs) if ov.returns_tuple else outs[0]
 
 
+class _SideEffect(Exception):
+    """A forward side effect seen while Dynamo meets an auto-registered class."""
+
+
+def _compiling(tx) -> bool:
+    """torch.compile rather than strict torch.export, which keeps the op
+    (Note [Forward side effects] in _impl/side_effects.py)."""
+    output = getattr(tx, "output", None)
+    return not getattr(output, "export", False) and not torch.compiler.is_exporting()
+
+
+def _refuse(fn, effect: str):
+    """A class wrapped explicitly whose forward has side effects, under torch.compile."""
+    from ..errors import UnsupportedError
+
+    return UnsupportedError(
+        f"torch_opaque: {fn.display_name} is wrapped as the op {fn.namespace}::{fn.name}, but "
+        f"its forward {effect}. Under torch.compile the op's forward runs only as a fake "
+        f"kernel, outside Dynamo's side-effect tracking, so that effect would be lost or "
+        f"would leak FakeTensors. Return the value as an output of the forward instead, or "
+        f"leave {fn.display_name} unwrapped under torch.compile (torch_opaque.auto() keeps "
+        f"such a class an ordinary Function there)."
+    )
+
+
+def _fall_back(fn, effect: str) -> None:
+    """auto(): the class stays an ordinary Function, which stock Dynamo traces
+    (keeping its custom backward); the AutoReport lists it as an op only if
+    an overload of it ever ran as one."""
+    from . import auto
+
+    cls = fn.cls
+    auto.fall_back(
+        cls, f"its forward {effect}, which torch.compile keeps only when Dynamo traces the forward itself"
+    )
+    if not fn.auto_checked:
+        for report in auto._reports():
+            report.ops.pop(cls, None)
+
+
+def _side_effect(fn, tx, args, kwargs) -> "str | None":
+    """What the forward changes besides its outputs, seen in an eager call or
+    in its bytecode (Note [Forward side effects])."""
+    from .._impl import side_effects
+
+    effect = getattr(fn, "side_effects", None) or side_effects.static(fn)
+    if effect or not side_effects.argument_calls(fn):
+        return effect
+    try:  # the kinds of the arguments (a list argument's .append)
+        examples = [_example(vt) for vt in _arg_trackers(fn, tx, args, kwargs)]
+    except Exception:  # (an argument no op takes: refused or fallen back later)
+        return None
+    return side_effects.on_arguments(fn, examples)
+
+
+def _watched(fn, examples, run):
+    """``run()``, which may run the forward on fake tensors; a side effect
+    seen there is recorded on ``fn`` and raised (Note [Forward side effects])."""
+    from .._impl import side_effects
+
+    watch = side_effects.Watch(fn, examples)
+    out = run()
+    effect = watch.found()
+    if effect:
+        fn.side_effects = getattr(fn, "side_effects", None) or effect
+        raise _refuse(fn, effect) if fn.explicit else _SideEffect(effect)
+    return out
+
+
 def _routed_call_apply(original):
     from . import auto
 
@@ -123,16 +187,36 @@ def _routed_call_apply(original):
             if auto.active():
                 auto.warn_if_traced_inline(cls)
             return original(self, tx, args, kwargs)
+        compiling = _compiling(tx)
+        effect = _side_effect(fn, tx, args, kwargs) if compiling else None
+        if effect:  # before any fake run of the forward, which would leak
+            if fn.explicit:
+                raise _refuse(fn, effect)
+            _fall_back(fn, effect)
+            return original(self, tx, args, kwargs)
         if fn.explicit:
             arg_vts = _arg_trackers(fn, tx, args, kwargs)
-            ov = fn.overload_for([_example(vt) for vt in arg_vts])
+            examples = [_example(vt) for vt in arg_vts]
+            if compiling:
+                ov = _watched(fn, examples, lambda: fn.overload_for(examples))
+            else:
+                ov = fn.overload_for(examples)
             return _emit(tx, fn, arg_vts, ov)
         try:  # Note [Auto fall-back]: nothing is emitted before this succeeds
             arg_vts = _arg_trackers(fn, tx, args, kwargs)
             examples = [_example(vt) for vt in arg_vts]
-            ov = fn.overload_for(examples)
-            if ov.name not in fn.auto_checked:
-                _check_traceable(fn, ov, examples)
+
+            def define():
+                ov = fn.overload_for(examples)
+                if ov.name not in fn.auto_checked:  # first trace of this overload: its
+                    auto.check_recording(ov, examples)  # fake forward, recording ctx
+                return ov
+
+            ov = _watched(fn, examples, define) if compiling else define()
+            fn.auto_checked.add(ov.name)
+        except _SideEffect as e:
+            _fall_back(fn, str(e))
+            return original(self, tx, args, kwargs)
         except Exception as e:
             auto.fall_back(cls, auto._why(e))
             auto.warn_if_traced_inline(cls)
