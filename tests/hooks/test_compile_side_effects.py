@@ -249,6 +249,25 @@ def test_pyro_values_under_compile_are_the_unquantized_sample():
     torch.testing.assert_close(y, _probs() * 10)
 
 
+def test_fallen_back_class_keeps_its_custom_backward_under_compile():
+    """Stock Dynamo traces the Function, custom backward included: the
+    straight-through gradient is 3 (autodiff of round would give 0)."""
+
+    def grads(cls):
+        p = _probs().requires_grad_()
+        y = torch.compile(lambda p: cls.apply(p) * 3, backend="aot_eager")(p)
+        return torch.autograd.grad(y.sum(), p)[0]
+
+    expected = grads(make_quantize_bernoulli()[0])
+    torch._dynamo.reset()
+    cls = make_quantize_bernoulli()[0]
+    with pytest.warns(UserWarning, match="QuantizeBernoulli stays an ordinary"):
+        with torch_opaque.auto():
+            actual = grads(cls)
+    torch.testing.assert_close(actual, expected)
+    torch.testing.assert_close(actual, torch.full((4,), 3.0))
+
+
 @pytest.mark.parametrize("case", CASES)
 def test_wrapped_class_is_refused_under_compile(case):
     cls, caller, effect = CASES[case]()

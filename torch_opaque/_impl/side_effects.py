@@ -157,8 +157,9 @@ class Watch:
         self.values = list(values)
         self.args = []  # (index, kind, snapshot)
         for i, v in enumerate(self.values):
-            if isinstance(v, torch.Tensor):
-                self.args.append((i, v, _attrs(v)))
+            if isinstance(v, torch.Tensor):  # (fake / traced ones are the tracer's)
+                if type(v) in (torch.Tensor, torch.nn.Parameter):
+                    self.args.append((i, v, _attrs(v)))
             else:
                 snap = _items(v)
                 if snap is not None:
