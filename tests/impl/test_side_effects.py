@@ -86,7 +86,9 @@ def _clean(ctx, x, sizes):
     ctx.save_for_backward(x)
     y = helper(sum(parts))
     y.add(1.0)  # a tensor's own .add
-    return y.reshape(sizes)
+    out = y.reshape(sizes)
+    out.requires_grad = False  # a Tensor property, no Python attribute
+    return out
 
 
 def test_bytecode_of_a_clean_forward_shows_nothing():

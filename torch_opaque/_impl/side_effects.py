@@ -155,7 +155,7 @@ class Watch:
 
     def __init__(self, fn, values) -> None:
         self.values = list(values)
-        self.args = []  # (index, kind, snapshot)
+        self.args = []  # (index, value, snapshot)
         for i, v in enumerate(self.values):
             if isinstance(v, torch.Tensor):  # (fake / traced ones are the tracer's)
                 if type(v) in (torch.Tensor, torch.nn.Parameter):
@@ -170,13 +170,13 @@ class Watch:
             g = f.__globals__
             for name in sorted(_names(f.__code__)):
                 if name in g:
-                    self.cells.append((f"global '{name}'", _global(g, name), self._state(g.get(name, _MISSING))))
+                    self._add(f"global '{name}'", _global(g, name))
             for name, cell in zip(f.__code__.co_freevars, f.__closure__ or ()):
-                self.cells.append((f"closure variable '{name}'", _cell(cell), self._state(_cell(cell)())))
+                self._add(f"closure variable '{name}'", _cell(cell))
 
-    @staticmethod
-    def _state(v):
-        return (id(v), _items(v))
+    def _add(self, what: str, get) -> None:
+        v = get()
+        self.cells.append((what, get, (v, _items(v))))  # (v held: no id reuse)
 
     def _arg_name(self, i) -> str:
         return f"'{self.names[i]}'" if i < len(self.names) else f"#{i}"
@@ -196,15 +196,16 @@ class Watch:
                 return f"{what} its argument {self._arg_name(i)} (a {type(v).__name__})"
         for what, get, snap in self.cells:
             v = get()
-            if id(v) != snap[0]:
+            if v is not snap[0]:
                 return f"rebinds the {what}"
             if _items(v) != snap[1]:
                 return f"changes the {what} (a {type(v).__name__})"
         outs = outputs if isinstance(outputs, (tuple, list)) else (outputs,)
         inputs = {id(v): snap for _, v, snap in self.args if isinstance(v, torch.Tensor)}
         for k, o in enumerate(outs):
-            if not isinstance(o, torch.Tensor) or id(o) in inputs:
-                continue  # (an input returned: its attributes are checked above)
+            if type(o) not in (torch.Tensor, torch.nn.Parameter) or id(o) in inputs:
+                continue  # (an input returned: its attributes are checked above;
+                # a subclass may keep its own state in __dict__)
             d = getattr(o, "__dict__", None)
             if d:
                 where = "its output" if len(outs) == 1 else f"its output {k}"
@@ -364,7 +365,11 @@ def _scan(f, code, params, free, top, arg_calls) -> Optional[str]:
                 whose = "its" if src[0].startswith("argument") else "the"
                 return f"sets the attribute .{ins.argval} of {whose} {src[0]}"
             names = target.argval if isinstance(target.argval, tuple) else (target.argval,)
-            if target.opname.startswith("LOAD_FAST") and names[-1] in returned:
+            if (
+                target.opname.startswith("LOAD_FAST")
+                and names[-1] in returned
+                and not hasattr(torch.Tensor, ins.argval)  # y.requires_grad = False
+            ):
                 return f"sets the Python attribute .{ins.argval} on its output '{names[-1]}'"
     for c in code.co_consts:  # comprehensions, lambdas, inner functions
         if isinstance(c, types.CodeType):
