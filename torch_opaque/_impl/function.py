@@ -37,9 +37,9 @@ from ..errors import ArchiveError, FakeForwardError, SchemaError
 from ..hooks import apply as _apply_hook
 from .kernels import BackwardRunner, FakeRunner, InferenceFake, Runner, check_tensor_outputs
 from .kernels import make_backward_fake
-from . import batching, forward_ad, in_place
+from . import batching, forward_ad, in_place, side_effects
 from .schema import kinds_key, returns_from_hint, specs_from_hints, type_hints
-from .schema import schema_arguments, specs_from_values
+from .schema import hints_accept, schema_arguments, specs_for_call, specs_from_values
 from .tracing import one_plain_sample, real_shaped
 
 DEFAULT_NAMESPACE = "opaque"
@@ -240,6 +240,9 @@ class OpaqueFunction:
         # Note [In-place Functions] (in_place.py)
         self.dirty = in_place.uses_mark_dirty(cls)
         self.dirty_pairs = None  # ((output index, argument index), ...) once known
+        # Note [Forward side effects] (side_effects.py): what the forward was
+        # seen to change besides its outputs, or None (read by hooks/dynamo.py).
+        self.side_effects: Optional[str] = None
 
     def wrap_forward(self, forward):
         """``forward`` (or the user's ``fake``) as the op's kernels run it:
@@ -320,8 +323,10 @@ class OpaqueFunction:
     def defined_overload(self, values: list) -> Optional[Overload]:
         """The overload already defined for these values' kinds, or None (then
         first_call defines it)."""
-        ov = self._single
-        return ov if ov is not None else self._by_kinds.get(kinds_key(values))
+        ov = self._single  # Note [Hints are advice]: only for values the hints carry
+        if ov is not None and hints_accept(self.hint_specs, values):
+            return ov
+        return self._by_kinds.get(kinds_key(values))
 
     # ---- defining overloads ----------------------------------------------------------
 
@@ -337,12 +342,10 @@ class OpaqueFunction:
         ov = self._by_kinds.get(key)
         if ov is not None:
             return ov
-        if self.hint_specs is not None:
-            specs, overload = self.hint_specs, ""
-        else:
-            names = [f"arg{i}" for i in range(len(values))] if self.varargs else self.arg_names
-            specs = specs_from_values(names, values, self.defaults, self.display_name)
-            overload = "_".join(s.token for s in specs) or "noargs"
+        names = [f"arg{i}" for i in range(len(values))] if self.varargs else self.arg_names
+        specs, overload = specs_for_call(  # Note [Hints are advice]
+            self.hint_specs, names, values, self.defaults, self.display_name
+        )
         ov = self.overloads.get(overload or "default")
         if ov is None:
             if self.dirty and self.dirty_pairs is None:  # learnt from a (fake) run
@@ -360,7 +363,7 @@ class OpaqueFunction:
             self._confirm(ov, specs, values, outputs)
         with _LOCK:
             self._by_kinds[key] = ov
-            if self.hint_specs is not None:
+            if self.hint_specs is not None and not overload:
                 self._single = ov
         return ov
 
@@ -383,7 +386,7 @@ class OpaqueFunction:
                 self.overloads[ov.name] = ov
                 if claimed_by is not None:
                     return ov
-                if self.hint_specs is not None:
+                if self.hint_specs is not None and not overload:
                     self._single = ov
             elif ov.claimed_by is not None:
                 return ov
@@ -492,10 +495,16 @@ class OpaqueFunction:
         if not any(needs):
             needs = (False,) * len(values)
         names = [f"arg{i}" for i in range(len(values))] if self.varargs else self.arg_names
-        if self.hint_specs is None:  # schema errors before the forward runs
-            specs_from_values(names, values, self.defaults, self.display_name)
+        # schema errors before the forward runs (Note [Hints are advice])
+        specs_for_call(self.hint_specs, names, values, self.defaults, self.display_name)
         runner = Runner(self.display_name, self.forward, self.setup, [], -1, arg_names=names)
+        watch = side_effects.Watch(self, values)  # Note [Forward side effects]
         out, ctx = runner.run_first(needs, values)
+        effect = watch.found(out)
+        if effect:
+            self.side_effects = self.side_effects or effect
+            if watch.lost_in_eager:
+                side_effects.lost_in_eager(self, effect)
         return self.overload_for(values, outputs=out), (out, ctx)
 
     def _probe(self, specs, values) -> tuple:
