@@ -2,6 +2,7 @@
 #include "forward_ad.h"
 #include "nested_grad.h"
 #include "in_place.h"
+#include "replayed_records.h"
 
 #include <ATen/core/List.h>
 #include <ATen/core/stack.h>
@@ -386,6 +387,8 @@ void AutogradKernel::reverse(const std::shared_ptr<OpaqueOp>& op,
     at::AutoDispatchBelowADInplaceOrView guard;
     std::optional<at::AutoGradMode> no_grad;
     if (above) no_grad.emplace(false);  // the forward runs without grad
+    // Note [Eager state is for nodes]: only a level above takes this record.
+    NodeTakesRecordScope takes(above != nullptr);
     handle.redispatchBoxed(keys & c10::after_ADInplaceOrView_keyset, stack);
     return;
   }
@@ -404,6 +407,7 @@ void AutogradKernel::reverse(const std::shared_ptr<OpaqueOp>& op,
     }
     stack->emplace_back(flag_list(flags));  // `_fwd`'s needs_input_grad
     ForwardCallScope scope(std::nullopt);
+    NodeTakesRecordScope takes(true);  // Note [Eager state is for nodes]
     // Under a transform level the levels below record `_fwd` too (grad mode
     // stays on for them) and the lowest one takes the record first.
     std::optional<NestedForwardScope> below_levels;
@@ -413,6 +417,19 @@ void AutogradKernel::reverse(const std::shared_ptr<OpaqueOp>& op,
     op->forward_op().callBoxed(stack);
     record = scope.take_record();
     if (!record && below_levels) record = below_levels->take();
+  }
+  {
+    // Note [Records of replayed forwards] (replayed_records.h).
+    at::Tensor first;
+    if (n_out > 0 && stack->size() >= n_out + 1) {
+      const c10::IValue& v = *(stack->end() - n_out - 1);
+      if (v.isTensor()) first = v.toTensor();
+    }
+    if (record && keeps_records(first)) {
+      remember_record(first, *record);
+    } else if (!record && first.defined()) {
+      record = replayed_record(first);
+    }
   }
   TORCH_CHECK(record.has_value(), op->qualified_name(),
               ": the forward kernel did not report its saved state "

@@ -16,6 +16,7 @@ struct EagerSlot {
   const EagerState* state = nullptr;
 };
 thread_local EagerSlot tls_eager;
+thread_local bool tls_node_takes_record = false;
 } // namespace
 
 const EagerState* current_eager_state(const c10::FunctionSchema& bwd_schema) {
@@ -55,6 +56,13 @@ EagerStateScope::~EagerStateScope() {
   tls_eager.schema = saved_schema_;
   tls_eager.state = saved_state_;
 }
+
+NodeTakesRecordScope::NodeTakesRecordScope(bool takes)
+    : saved_(std::exchange(tls_node_takes_record, takes)) {}
+
+NodeTakesRecordScope::~NodeTakesRecordScope() { tls_node_takes_record = saved_; }
+
+bool take_node_takes_record() { return std::exchange(tls_node_takes_record, false); }
 
 std::optional<ForwardRecord> ForwardCallScope::take_record() {
   return std::exchange(tls_call.record, std::nullopt);

@@ -310,7 +310,8 @@ py::object call_checked_forward(const ForwardSpec& s, const py::object& args,
 // Runs the user's forward on `args` (kernel values; converted here) and
 // returns what it produced; ctx is read only when `recording`.
 detail::ForwardOutcome call_user_forward(const ForwardSpec& s, py::object args,
-                                         py::object needs_py, bool recording) {
+                                         py::object needs_py, bool recording,
+                                         bool keep_objects) {
   py::object ctx;
   py::object out;
   const bool primed =
@@ -338,7 +339,7 @@ detail::ForwardOutcome call_user_forward(const ForwardSpec& s, py::object args,
 
   if (recording) {
     const ForwardContextView view = view_forward_context(ctx.ptr());
-    if (view.has_attributes && s.keep_objects) {
+    if (view.has_attributes && keep_objects) {
       outcome.saved = tensors_of(view.to_save);
       outcome.eager_state = std::make_shared<PyEagerState>(
           s.runner, py::reinterpret_borrow<py::object>(view.dict));
@@ -374,7 +375,10 @@ void run_forward(ForwardSpec& s, const c10::FunctionSchema& schema, torch::jit::
     PyTuple_SET_ITEM(args.ptr(), static_cast<Py_ssize_t>(i), to_python(inputs[i], (*s.kinds)[i]));
   }
   py::object needs_py = recording ? steal(bool_tuple(*needs)) : s.no_grad;
-  detail::ForwardOutcome outcome = call_user_forward(s, std::move(args), needs_py, recording);
+  // Note [Eager state is for nodes] (forward_record.h).
+  const bool keep_objects = detail::take_node_takes_record() && s.keep_objects;
+  detail::ForwardOutcome outcome =
+      call_user_forward(s, std::move(args), needs_py, recording, keep_objects);
   detail::finish_forward(s.name, c10::ArrayRef<c10::IValue>(inputs.data(), inputs.size()),
                          std::move(outcome), recording, stack);
 }
@@ -547,7 +551,8 @@ py::tuple run_forward_from_python(py::object runner, py::object forward, py::obj
   inputs.reserve(args.size());
   for (py::handle a : args) inputs.push_back(matchable(a.ptr()));
   detail::ForwardOutcome outcome = call_user_forward(
-      s, args, recording ? py::object(py::tuple(needs)) : s.no_grad, recording);
+      s, args, recording ? py::object(py::tuple(needs)) : s.no_grad, recording,
+      s.keep_objects);
   torch::jit::Stack stack;
   std::optional<ForwardRecord> record;
   {

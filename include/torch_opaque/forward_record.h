@@ -102,6 +102,28 @@ class EagerStateScope {
 // Used by the `_fwd` kernel wrapper (Note [needs_input_grad of _fwd]).
 void set_needs_input_grad(std::optional<std::vector<bool>> needs);
 
+// Note [Eager state is for nodes]
+// A forward may keep its ctx state as objects (Note [Eager context state])
+// only when a backward node built by the Autograd kernel takes its record.
+// A `_fwd` call that records for a graph (a compiled forward calling `_fwd`
+// with grad mode off, with needs_input_grad from the graph) must return the
+// residuals its fake returned when the graph was traced, which encodes the
+// state: its tensors are residuals there. The Autograd kernel says which by
+// this flag, which the forward kernel reads once (take_node_takes_record), so
+// calls nested inside the forward see false.
+class NodeTakesRecordScope {
+ public:
+  explicit NodeTakesRecordScope(bool takes);
+  ~NodeTakesRecordScope();
+  NodeTakesRecordScope(const NodeTakesRecordScope&) = delete;
+  NodeTakesRecordScope& operator=(const NodeTakesRecordScope&) = delete;
+
+ private:
+  bool saved_;
+};
+// Read by a forward kernel: whether a node takes its record (and clears it).
+bool take_node_takes_record();
+
 // Used by the Autograd kernel around a `_fwd` call.
 class ForwardCallScope {
  public:
