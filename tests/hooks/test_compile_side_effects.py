@@ -261,9 +261,14 @@ def test_fallen_back_class_keeps_its_custom_backward_under_compile():
     expected = grads(make_quantize_bernoulli()[0])
     torch._dynamo.reset()
     cls = make_quantize_bernoulli()[0]
-    with pytest.warns(UserWarning, match="QuantizeBernoulli stays an ordinary"):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         with torch_opaque.auto():
             actual = grads(cls)
+    messages = [str(w.message) for w in caught]
+    assert any("QuantizeBernoulli stays an ordinary" in m for m in messages), messages
+    # (the export-only warning: under torch.compile the custom backward is kept)
+    assert not any("custom backward is lost" in m for m in messages), messages
     torch.testing.assert_close(actual, expected)
     torch.testing.assert_close(actual, torch.full((4,), 3.0))
 

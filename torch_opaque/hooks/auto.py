@@ -44,9 +44,10 @@ up at every stage, and each is caught there:
   note, and the class is fallen back from the next call on.
 Exceptions that are control flow pass through every stage untouched, with no
 re-run and no fall-back (Note [Control-flow exceptions]).
-A fallen-back class met while a graph is traced (torch.export, Dynamo) gets
-one more warning: the trace inlines its forward, so its custom backward is
-not in the graph. State is per thread (``auto()`` in one thread does not
+A fallen-back class met while a graph is exported (torch.export, strict or
+not) gets one more warning: the trace inlines its forward, so its custom
+backward is not in the graph (torch.compile keeps it: Dynamo traces a stock
+Function with its backward). State is per thread (``auto()`` in one thread does not
 change calls in another); the classes that fell back are remembered per
 class (weakly) for the process.
 """
@@ -286,6 +287,8 @@ def warn_if_traced_inline(cls: type, args=()) -> None:
         return
     if not _tracing(args):
         return
+    if torch.compiler.is_compiling() and not torch.compiler.is_exporting():
+        return  # Dynamo traces a stock Function with its backward (a compiled graph keeps it)
     _WARNED_TRACE.add(cls)
     warnings.warn(
         f"torch_opaque.auto(): {cls.__qualname__} is traced as an ordinary autograd.Function "
