@@ -70,6 +70,7 @@ import collections
 import collections.abc
 import dis
 import inspect
+import os
 import types
 from typing import Optional
 
@@ -98,6 +99,9 @@ _OPAQUE_TYPES = (
 )
 
 
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+
+
 def user_functions(fn) -> list:
     """(function, takes ctx first) for the Python functions of a Function class
     whose effects count: forward (and setup_context), each with the functions
@@ -110,7 +114,9 @@ def user_functions(fn) -> list:
     for f, has_ctx in funcs:
         while f is not None and id(f) not in seen:
             seen.add(id(f))
-            if isinstance(f, types.FunctionType):
+            # (torch's own wrappers, such as torch.compile's around a compiled
+            # forward, are not the user's: their globals are Dynamo's state)
+            if isinstance(f, types.FunctionType) and not f.__code__.co_filename.startswith(_TORCH_DIR):
                 out.append((f, has_ctx))
             f = getattr(f, "__wrapped__", None)
     return out
