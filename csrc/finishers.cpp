@@ -225,7 +225,13 @@ std::vector<at::Tensor> finish_backward(const std::string& op_name,
     if (!g.defined()) continue;
     TORCH_CHECK(tensor_args[i], op_name, ": backward returned a gradient for argument ", i,
                 ", which is not a Tensor. Return an undefined at::Tensor() there.");
-    if (aliases_any(g, saved) || aliases_any(g, grad_outputs)) g = g.clone();
+    // Note [Backward results do not alias]: `_bwd`'s results are the outputs
+    // of an op, which may share storage neither with its inputs nor with each
+    // other (torch's custom-op contract, checked by opcheck and AOTAutograd).
+    if (aliases_any(g, saved) || aliases_any(g, grad_outputs) ||
+        aliases_any(g, c10::ArrayRef<at::Tensor>(grads.data(), i))) {
+      g = g.clone();
+    }
   }
   return grads;
 }

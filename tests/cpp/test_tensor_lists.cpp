@@ -138,3 +138,25 @@ TEST(TensorLists, WrongNumberOfListGradientsIsAClearError) {
             std::string::npos)
       << what;
 }
+
+// Note [Backward results do not alias]: `_bwd`'s results are an op's outputs,
+// so one tensor returned for several slots (as two_lists's backward returns gi
+// for every element) is copied for all but the first.
+TEST(TensorLists, BackwardResultsSharingStorageAreCopied) {
+  auto g = torch::randn({2, 3});
+  auto other = torch::randn({3});
+  std::vector<at::Tensor> result = {g, at::Tensor(), g, g[1], other};
+  auto out = torch_opaque::detail::finish_backward("opaque_list_test::shared",
+                                                   {true, true, true, true, true}, result, {}, {});
+  ASSERT_EQ(out.size(), 5u);
+  EXPECT_TRUE(out[0].is_same(g));  // the first keeps its tensor
+  EXPECT_FALSE(out[1].defined());
+  EXPECT_TRUE(out[4].is_same(other));
+  for (size_t i : {2, 3}) {
+    EXPECT_FALSE(out[i].is_alias_of(g)) << i;
+    EXPECT_FALSE(out[i].is_alias_of(out[0])) << i;
+  }
+  EXPECT_FALSE(out[2].is_alias_of(out[3]));
+  EXPECT_TRUE(torch::equal(out[2], g));
+  EXPECT_TRUE(torch::equal(out[3], g[1]));
+}

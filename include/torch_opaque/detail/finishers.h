@@ -64,7 +64,22 @@ Context backward_context(BackwardArgs& args, const EagerState* eager);
 
 // The gradients as the `_bwd` result, after checking them against the
 // forward arguments (`tensor_args[i]`: whether argument i is a tensor);
-// gradients that alias a saved tensor or an output gradient are copied.
+// gradients that alias a saved tensor, an output gradient or an earlier
+// gradient are copied.
+//
+// Note [Backward results do not alias]
+// `_bwd` is an operator, so its results may share storage neither with its
+// arguments nor with each other (torch's custom-op contract). A backward often
+// returns one tensor for several arguments (`return g, g` in Python; the same
+// gradient for several elements of a Tensor[] in C++; views of one tensor, as
+// g.unbind(0)). Without a copy, tracing records all the slots holding one
+// tensor as one output of the `_bwd` node (the last: the tracer keys its
+// proxies by tensor), and Inductor's code treats each output as a buffer of
+// its own: compiled code whose trace saw separate outputs corrupted the other
+// elements' gradients when they came back as one tensor at run time (tests/
+// test_cpp_list_ops_compiled.py). Each gradient sharing storage with an
+// earlier one is therefore cloned, as finish_forward clones an output that
+// aliases an input or an earlier output.
 std::vector<at::Tensor> finish_backward(const std::string& op_name,
                                         const std::vector<bool>& tensor_args,
                                         std::vector<at::Tensor> grads,
