@@ -66,7 +66,9 @@ class BitLinear(torch.nn.Module):
         return torch.nn.functional.linear(x, self.fn.apply(self.weight)) * 2
 '''
 
-exec(FUNCTIONS)  # the same classes in this process, for the eager tests
+_EAGER = {}
+exec(FUNCTIONS, _EAGER)  # the same classes in this process, for the eager tests
+BitLinear = _EAGER["BitLinear"]
 
 CHILD = '''
 import contextlib, sys, warnings
@@ -132,7 +134,7 @@ def _fresh(C):
 
 @pytest.mark.parametrize("cls", ["WeightQuant", "WeightQuantHelper"])
 def test_eager_calls_match_stock(cls):
-    Stock = globals()[cls]
+    Stock = _EAGER[cls]
     W = torch_opaque.wrap(_fresh(Stock))
     x = torch.randn(3, 4)
     a, b = BitLinear(Stock), BitLinear(W)

@@ -57,7 +57,7 @@ twice more per trace; a ``fake`` avoids all of this.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
