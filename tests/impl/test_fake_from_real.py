@@ -395,3 +395,32 @@ def test_compiled_training_step_matches_stock(case):
     torch.testing.assert_close(got.detach(), want)
     for a, b in zip([x.grad for x in leaves], want_grads):
         torch.testing.assert_close(a, b)
+
+
+def test_residual_of_data_dependent_size_under_compile_gets_the_fake_error():
+    # LogNormalCDF keeps ctx.numerator / ctx.denominator of the masked entries:
+    # torch.compile's shape environment does not allow such sizes by default.
+    W = torch_opaque.wrap(_fresh(LogNormalCDF))
+    x = (torch.randn(5, 5, dtype=torch.float64) * 2).requires_grad_()
+    with pytest.raises(Exception) as info:
+        torch.compile(Call(W), backend="aot_eager")(x).sum().backward()
+    msg = str(info.value)
+    assert "LogNormalCDF.forward cannot run on fake tensors while tracing" in msg
+    assert "a tensor it saves for backward has a size that depends on the data" in msg
+    assert "capture_dynamic_output_shape_ops" in msg
+    assert "add a `fake` staticmethod to LogNormalCDF" in msg
+
+
+def test_residual_of_data_dependent_size_under_compile_falls_back_under_auto():
+    C = _fresh(LogNormalCDF)
+    x = torch.randn(5, 5, dtype=torch.float64) * 2
+    g = torch.randn(5, 5, dtype=torch.float64)
+    want, (want_grad,) = _stock_values_and_grads(C, (), (x,), g)
+    leaf = x.clone().requires_grad_()
+    with warnings.catch_warnings(record=True) as w, torch_opaque.auto():
+        warnings.simplefilter("always")
+        got = torch.compile(Call(C), backend="aot_eager")(leaf)
+        got.backward(g)
+    assert any("LogNormalCDF" in str(i.message) and "ordinary" in str(i.message) for i in w)
+    torch.testing.assert_close(got.detach(), want)
+    torch.testing.assert_close(leaf.grad, want_grad)

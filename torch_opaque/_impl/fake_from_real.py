@@ -35,9 +35,12 @@ outputs from real runs instead (:func:`outputs_from_real`):
   tracing mode. Residuals (tensors the forward keeps on ctx for its backward,
   such as gpytorch's ``ctx.denominator`` of the masked entries) may have
   data-dependent sizes: where no match is found they get new unbacked sizes
-  (they are outputs of ``Name_fwd``, which binds them), or, in a fake mode
+  (they are outputs of ``Name_fwd``, which binds them; refused where the
+  shape environment does not allow dynamic output shapes, as torch.compile's
+  by default), or, in a fake mode
   without a shape environment (first-call probes, auto()'s recording check,
-  which only learn the call's structure), run A's size.
+  which only learn the call's structure), run A's size, unless the trace
+  around that private mode refuses such sizes (so auto() falls back there).
 
 The backward's fake (kernels.make_backward_fake) runs the backward on fake
 tensors with fresh unbacked symbols ignored (snntorch's ``grad[input_ < 0] =
@@ -233,8 +236,17 @@ def _match_or_free(a: int, b: int, pool: list, values: Sequence):
         return _match(a, b, pool, "")
     except NotShapeFollowing:
         pass
-    if getattr(_mode_of(values), "shape_env", None) is None:
-        return a
+    env = getattr(_mode_of(values), "shape_env", None)
+    if env is None:  # a private mode: the trace around it (if any) decides
+        outer = getattr(torch._guards.detect_fake_mode(), "shape_env", None)
+        if outer is None or getattr(outer, "allow_dynamic_output_shape_ops", True):
+            return a
+    if not getattr(env or outer, "allow_dynamic_output_shape_ops", True):
+        raise NotShapeFollowing(
+            f"a tensor it saves for backward has a size that depends on the data ({a} in one "
+            f"stand-in run, {b} in another), which this trace does not allow "
+            f"(torch._dynamo.config.capture_dynamic_output_shape_ops = True allows it)"
+        )
     from .bridge import new_dynamic_size
 
     return new_dynamic_size(0, None)
