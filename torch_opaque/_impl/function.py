@@ -39,6 +39,7 @@ from .kernels import BackwardRunner, FakeRunner, InferenceFake, Runner, check_te
 from .kernels import make_backward_fake
 from . import batching, forward_ad, in_place, side_effects
 from .schema import kinds_key, returns_from_hint, specs_from_hints, type_hints
+from .subclass_rules import SubclassRules
 from .schema import hints_accept, schema_arguments, specs_for_call, specs_from_values
 from .tracing import one_plain_sample, real_shaped
 
@@ -152,6 +153,7 @@ class Overload:
         if forward_ad.has_jvp(fn.cls):
             forward_ad.define(self, fn.cls, fn.lib, arguments)
         batching.Rules(self, fn.cls).register(fn.lib, fn.name)
+        SubclassRules(self).register(self, fn.lib)  # Note [Ops on wrapper subclasses]
 
     def __call__(self, args):
         out = self.op(*args)
