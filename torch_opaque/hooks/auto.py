@@ -66,6 +66,7 @@ import torch
 
 from .._impl.in_place import uses_mark_dirty
 from .._impl.tracing import real_shaped
+from . import fx as _fx
 from .apply import ORIGINAL_APPLY
 
 log = logging.getLogger("torch_opaque")
@@ -327,6 +328,8 @@ def call(cls: type, args: tuple, kwargs: dict):
     try:
         values = fn.bind(args, kwargs)
         ov = fn.defined_overload(values)
+        if ov is None and _fx.traced_by_fx(values):  # Note [FX symbolic tracing]
+            return _fx.call(fn, values)
         if ov is None:
             rng = None if _tracing(args) else torch.get_rng_state()
             ov, primed = fn.first_call(values)
