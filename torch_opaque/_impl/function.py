@@ -35,6 +35,7 @@ from torch.autograd.function import _is_setup_context_defined
 from .. import _C
 from ..errors import ArchiveError, FakeForwardError, SchemaError
 from ..hooks import apply as _apply_hook
+from ..hooks import fx as _fx
 from .kernels import BackwardRunner, FakeRunner, InferenceFake, Runner, check_tensor_outputs
 from .kernels import make_backward_fake
 from . import batching, forward_ad, in_place, side_effects
@@ -308,6 +309,8 @@ class OpaqueFunction:
         ov = self.defined_overload(values)
         primed = None
         if ov is None:
+            if _fx.traced_by_fx(values):  # Note [FX symbolic tracing] (hooks/fx.py)
+                return _fx.call(self, values)
             ov, primed = self.first_call(values)
         if self.dirty:  # the results hold the arguments: no C-level apply
             return ov.call_primed(values, *primed) if primed is not None else ov(values)
