@@ -133,3 +133,63 @@ def test_traced_backward_reads_each_element_from_its_own_output(ops, op_name):
     (bwd,) = [n for n in graph.graph.nodes if n.target is getattr(ops, op_name + "_bwd").default]
     read = sorted(u.args[1] for u in bwd.users if u.target is operator.getitem)
     assert read == [0, 1, 2, 3]  # three list elements, then the weight
+
+
+# ---- a rebuilt library and Inductor's caches ------------------------------------
+
+REBUILT_CHILD = r"""
+import sys, torch, torch_opaque
+torch_opaque.load_library(sys.argv[1])
+op = torch.ops.opaque_rebuilt_test.weighted_sum
+
+class Model(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin1 = torch.nn.Linear(4, 4)
+        self.lin2 = torch.nn.Linear(4, 4)
+
+    def forward(self, x, w, f):
+        return f([self.lin1(x), self.lin2(x), x], w)
+
+def grads(f, compiled):
+    torch.manual_seed(0)
+    m = Model()
+    x = torch.randn(3, 4, requires_grad=True)
+    w = torch.randn(3, requires_grad=True)
+    run = torch.compile(m, backend="inductor", fullgraph=True) if compiled else m
+    run(x, w, f).sum().backward()
+    return [x.grad, w.grad, m.lin1.weight.grad]
+
+ref = grads(lambda xs, w: sum(t * w[i] for i, t in enumerate(xs)), False)
+got = grads(op, True)
+print("none" if got[0] is None else
+      "same" if all(torch.allclose(a, b) for a, b in zip(got, ref)) else "different")
+"""
+
+
+def test_rebuilt_library_is_not_served_from_inductors_cache(tmp_path):
+    """Note [Compile caches and C++ libraries]: a library rebuilt with a fixed
+    backward, loaded from the same path, is compiled again (a warm cache
+    served the old compiled backward: x.grad None)."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    built = LIB.parent
+    lib = tmp_path / "libmyops.so"
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "cache")}
+    env.pop("TORCHINDUCTOR_FORCE_DISABLE_CACHES", None)
+
+    def run():
+        out = subprocess.run([sys.executable, "-c", REBUILT_CHILD, str(lib)], env=env,
+                             capture_output=True, text=True, timeout=600)
+        assert out.returncode == 0, out.stderr[-3000:]
+        return out.stdout.split()[-1]
+
+    shutil.copy(built / "librebuilt_backward_ops_0.so", lib)
+    assert run() == "none"  # the first build gives the list elements no gradient
+    shutil.copy(built / "librebuilt_backward_ops_1.so", lib)
+    assert run() == "same"
+    assert run() == "same"  # and again, from the cache it filled
+    assert any((tmp_path / "cache").rglob("*")), "Inductor's cache stayed empty"

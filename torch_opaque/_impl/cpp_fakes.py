@@ -27,6 +27,7 @@ Example (``example::scaled_sin`` of examples/cpp, built by scripts/dev.sh)::
 
 from __future__ import annotations
 
+import hashlib
 from typing import Iterable
 
 import torch
@@ -36,6 +37,8 @@ from .function import function_for_op
 _KERNEL_KEY = torch._C.DispatchKey.CompositeExplicitAutograd
 _registered: set = set()  # "ns::Name" of ops given a kernel fake
 _libraries: dict = {}  # namespace -> torch.library.Library (FRAGMENT), kept alive
+_library_digests: dict = {}  # path of a loaded shared library -> sha256 of its file
+_TAG_PREFIX = "torch_opaque-cpp-libraries:"
 
 
 def op_names() -> set:
@@ -65,7 +68,8 @@ def _overloads(qualified: str) -> Iterable[torch._ops.OpOverload]:
 def register_kernel_fakes(new_names: Iterable[str]) -> None:
     """Give the C++-defined opaque ops among ``new_names`` (dispatcher names,
     "ns::Name" or "ns::Name.overload") fakes that run their kernels under the
-    fake mode (Note [C++ kernels as fakes])."""
+    fake mode (Note [C++ kernels as fakes]); then keys Inductor's caches by
+    the loaded libraries (Note [Compile caches and C++ libraries])."""
     bases = {n.split(".")[0] for n in new_names}
     for base in sorted(bases):
         if base.endswith(("_fwd", "_bwd")) or not {base + "_fwd", base + "_bwd"} <= bases:
@@ -82,3 +86,33 @@ def register_kernel_fakes(new_names: Iterable[str]) -> None:
                     continue  # the op's own `fake` (forward roles only)
                 torch.library.register_fake(overload, _kernel_fake(overload), lib=lib)
                 _registered.add(qualified)
+    key_compile_caches()
+
+
+# Note [Compile caches and C++ libraries]
+# Inductor's caches (AOTAutogradCache, FxGraphCache) key a compiled graph by
+# the Dynamo graph, which names a C++ op but holds nothing of its code. What
+# the compiled code does depends on that code: the traced backward keeps the
+# gradients the op's `_bwd` gave when traced (an element whose gradient was
+# undefined has none). After the library is rebuilt with another backward, a
+# warm cache served the old compiled code: x.grad stayed None under inductor,
+# silently, while aot_eager (which caches nothing) and eager were right. So
+# the digest of every library loaded with torch.ops.load_library goes into
+# torch.compiler.config.cache_key_tag, which both caches hash (appended to
+# the user's own tag, as one ';'-separated part of its own).
+def key_compile_caches() -> None:
+    """Fold the contents of the loaded shared libraries into Inductor's cache
+    keys (Note [Compile caches and C++ libraries])."""
+    for path in sorted(torch.ops.loaded_libraries):
+        if path not in _library_digests:
+            try:
+                with open(path, "rb") as f:
+                    _library_digests[path] = hashlib.sha256(f.read()).hexdigest()
+            except OSError:  # gone since it was loaded: keyed by its path
+                _library_digests[path] = "path:" + path
+    config = getattr(torch.compiler, "config", None)
+    if config is None or not hasattr(config, "cache_key_tag"):
+        return
+    digest = hashlib.sha256("".join(sorted(_library_digests.values())).encode()).hexdigest()
+    parts = [p for p in config.cache_key_tag.split(";") if p and not p.startswith(_TAG_PREFIX)]
+    config.cache_key_tag = ";".join(parts + [_TAG_PREFIX + digest[:32]])
