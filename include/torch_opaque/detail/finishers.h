@@ -75,11 +75,11 @@ Context backward_context(BackwardArgs& args, const EagerState* eager);
 // g.unbind(0)). Without a copy, tracing records all the slots holding one
 // tensor as one output of the `_bwd` node (the last: the tracer keys its
 // proxies by tensor), and Inductor's code treats each output as a buffer of
-// its own: compiled code whose trace saw separate outputs corrupted the other
-// elements' gradients when they came back as one tensor at run time (tests/
-// test_cpp_list_ops_compiled.py). Each gradient sharing storage with an
-// earlier one is therefore cloned, as finish_forward clones an output that
-// aliases an input or an earlier output.
+// its own: a compiled backward traced while the outputs were separate (served
+// from Inductor's cache) gave wrong gradients when they came back as one
+// tensor. Each gradient sharing storage with an earlier one is therefore
+// cloned, as finish_forward clones an output that aliases an input or an
+// earlier output.
 std::vector<at::Tensor> finish_backward(const std::string& op_name,
                                         const std::vector<bool>& tensor_args,
                                         std::vector<at::Tensor> grads,
