@@ -278,7 +278,7 @@ def test_auto_records_the_op():
         pass
 
     with torch_opaque.auto(), warnings.catch_warnings():
-        warnings.simplefilter("error")
+        warnings.simplefilter("error", UserWarning)
         gm = torch.fx.symbolic_trace(Call(AutoSTE))
     the_op(gm, AutoSTE)
     assert_like_stock(gm, STE)

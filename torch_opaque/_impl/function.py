@@ -613,9 +613,11 @@ def ensure_routing() -> None:
     if _ROUTING:
         return
     from ..hooks import dynamo as _dynamo_hook
+    from ..hooks import torchscript as _torchscript_hook
 
     _apply_hook.install_apply_route(route_apply, _BY_ID, _auto._state)
     _dynamo_hook.install_when_dynamo_loads()
+    _torchscript_hook.install()  # Note [TorchScript and wrapped classes]
     _ROUTING = True
 
 
