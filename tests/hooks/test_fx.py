@@ -310,3 +310,27 @@ def test_auto_falls_back_to_stock_tracing_for_a_size_argument():
     assert not op_calls(gm, "AutoRows") and [n for n in gm.graph.nodes if n.target is torch.round]
     x = torch.randn(2, 3)
     torch.testing.assert_close(gm(x), Rows.apply(x, 2))
+
+
+class SetupStyle(torch.autograd.Function):
+    """forward without ctx, setup_context separate (torch >= 2.0 style)."""
+
+    @staticmethod
+    def forward(x, k):
+        return torch.floor(x) * k, x.abs()
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.k = inputs[1]
+
+    @staticmethod
+    def backward(ctx, ga, gb):
+        return ga * ctx.k + gb, None
+
+
+def test_setup_context_style_without_an_eager_call():
+    W = wrapped(SetupStyle)
+    gm = torch.fx.symbolic_trace(Call(W, 0.5))
+    node = the_op(gm, W)
+    assert torch_opaque.lookup(W).overloads[node.target._overloadname].n_out == 2
+    assert_like_stock(gm, SetupStyle, 0.5)
