@@ -301,7 +301,7 @@ def warn_if_traced_inline(cls: type, args=()) -> None:
 
 
 def _tracing(args) -> bool:
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or _fx.traced_by_fx(args):  # Note [FX symbolic tracing]
         return True
     from torch import _guards
 
