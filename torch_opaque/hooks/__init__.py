@@ -13,6 +13,12 @@
   region whose graph calls opaque ops replays that graph eagerly under
   ``create_graph=True``, installed with the Dynamo hook
   (Note [Double backward in compiled graphs]).
+- :mod:`.fx`: ``torch.fx.symbolic_trace`` records a wrapped class's call as one
+  node of its op; no patch, asked by the apply path when an argument is a
+  Proxy (Note [FX symbolic tracing]).
+- :mod:`.torchscript`: ``torch.jit.script`` resolves ``Cls.apply`` of a wrapped
+  class to its op, installed with the apply route
+  (Note [TorchScript and wrapped classes]).
 
 Each patch first checks that the internals it replaces look as expected for
 this torch version and, if not, leaves them alone with a warning that names
