@@ -56,6 +56,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from ._impl.calls import CallSignature, full_args
+from ._impl.cpp_kernels import CppBackward, CppRunner
 from ._impl.tracing import unalias
 from ._impl.function import OpaqueFunction, lookup
 from ._impl.kernels import BackwardRunner, Runner
@@ -240,13 +241,40 @@ def _python_decomposition(info: OpaqueInfo) -> Optional[Callable]:
     return forward
 
 
+def _cpp_decomposition(info: OpaqueInfo) -> Optional[Callable]:
+    """An op defined in C++ (torch_opaque/op.h) as its own kernels run below
+    autograd (Note [Kernels below autograd]): the trace records the ATen ops
+    they call. A kernel that is not made of ATen ops (a loop over data_ptr)
+    fails to trace, with the error naming the node."""
+    if info.function is not None or not _has_op(info.namespace, info.name + "_fwd"):
+        return None
+    if info.role == "bwd":
+        backward = CppBackward(info.namespace, info.name, info.overload)
+        return lambda saved, grads, needs, state, state_ints: backward(
+            saved, grads, needs, state, state_ints
+        )
+    runner = CppRunner(info.namespace, info.name, info.overload)
+    sig = CallSignature.of_schema(info.target._schema)
+    training = info.role == "fwd"
+
+    def forward(*args, **kwargs):
+        args, kwargs, needs = sig.split_needs_input_grad(args, kwargs)
+        args = sig.complete(args, kwargs)
+        outs, residuals, _record = runner.run(needs if training else None, args)
+        if training:
+            return (*outs, list(residuals))
+        return outs[0] if len(outs) == 1 else tuple(outs)
+
+    return forward
+
+
 def _decomposition(info: OpaqueInfo) -> Callable:
-    d = _python_decomposition(info) or source_decomposition(info)
+    d = _python_decomposition(info) or source_decomposition(info) or _cpp_decomposition(info)
     if d is None:
         raise ValueError(
-            f"torch_opaque.passes.inline: {info.qualified_name}.{info.overload} has no Python "
-            f"forward in this process to inline (it is defined in C++, or its Function was not "
-            f"imported); import the module that defines it, or leave it out of ops=."
+            f"torch_opaque.passes.inline: {info.qualified_name}.{info.overload} has no forward "
+            f"in this process to inline (its Function was not imported); import the module "
+            f"that defines it, or leave it out of ops=."
         )
     return d
 
