@@ -68,6 +68,23 @@ PY
   fi
 }
 
+# ExecuTorch (tests/test_executorch.py): its wheel requires packages the tests
+# do not need (coremltools, pandas, scikit-learn, ...), so it goes in without
+# dependencies; the few it imports are pinned in the test extra (pyproject.toml).
+EXECUTORCH_PIN=executorch==1.5.1
+
+executorch_env() {
+  if ! "$VENV/bin/python" - "$EXECUTORCH_PIN" <<'PY' 2>/dev/null
+import importlib.metadata, sys
+name, _, version = sys.argv[1].partition("==")
+sys.exit(importlib.metadata.version(name) != version)
+PY
+  then
+    log "pip install --no-deps $EXECUTORCH_PIN"
+    "$VENV/bin/pip" install -q --disable-pip-version-check --no-deps "$EXECUTORCH_PIN"
+  fi
+}
+
 build() {
   apt_deps
   python_env
@@ -77,6 +94,7 @@ build() {
   CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)} \
     "$VENV/bin/pip" install -q --disable-pip-version-check --no-build-isolation \
     -C build-dir=build -C cmake.define.TORCH_OPAQUE_TESTS=ON -e ".[test]"
+  executorch_env
   local prefix
   prefix=$("$VENV/bin/python" -c "import torch.utils; print(torch.utils.cmake_prefix_path)")
   log "examples/cpp against the installed CMake package (build/install)"
@@ -86,7 +104,8 @@ build() {
 run_tests() {
   log "pytest"
   set +e
-  "$VENV/bin/python" -m pytest -q tests "$@"
+  # A test that needs ExecuTorch fails, not skips, when it is missing here.
+  TORCH_OPAQUE_REQUIRE_EXECUTORCH=1 "$VENV/bin/python" -m pytest -q tests "$@"
   local rc=$?
   set -e
   if [ $rc -eq 5 ]; then
