@@ -23,8 +23,9 @@ to be retraced into Edge ops), ``EdgeCompileConfig`` only names ops to
 preserve, and its decomposition table is built inside the call (not an
 argument). A partitioner's ``transform_for_pre_decomposition`` runs early
 enough, but a partitioner also chooses which ATen ops are decomposed: one that
-only inlines would either decompose what another partitioner (XNNPACK) asks to
-keep, or keep what a program without partitioner needs decomposed. A
+only inlines (its ``ops_to_not_decompose`` empty) makes ExecuTorch decompose
+with the full table what another partitioner asks to keep, in either order
+(XNNPACK then gets ``aten.linear`` as ``permute_copy`` + ``addmm``). A
 CompositeImplicitAutograd kernel would make ExecuTorch decompose the op, but it
 would do so for every trace in the process (torch.export and torch.compile
 would no longer keep the op). Hence a wrapper.
