@@ -33,10 +33,11 @@ def test_digest_follows_the_file_contents(tmp_path, monkeypatch):
     lib.write_bytes(b"one")
     monkeypatch.setattr(torch.ops, "loaded_libraries", {str(lib)})
     monkeypatch.setattr(cpp_fakes, "_library_digests", {})
-    monkeypatch.setattr(torch.compiler.config, "cache_key_tag", "")
-    cpp_fakes.key_compile_caches()
-    before = torch.compiler.config.cache_key_tag
-    lib.write_bytes(b"two")  # rebuilt at the same path, loaded by a new process
-    monkeypatch.setattr(cpp_fakes, "_library_digests", {})
-    cpp_fakes.key_compile_caches()
-    assert torch.compiler.config.cache_key_tag != before
+    # (torch's own patch: monkeypatch's undo deletes a config entry it set)
+    with torch.compiler.config.patch(cache_key_tag=""):
+        cpp_fakes.key_compile_caches()
+        before = torch.compiler.config.cache_key_tag
+        lib.write_bytes(b"two")  # rebuilt at the same path, loaded by a new process
+        monkeypatch.setattr(cpp_fakes, "_library_digests", {})
+        cpp_fakes.key_compile_caches()
+        assert torch.compiler.config.cache_key_tag != before
