@@ -664,3 +664,30 @@ def test_first_failure_found_while_exporting_falls_back_there(strict):
     assert cls in ep.torch_opaque_report.fallbacks
     assert any("custom backward is lost" in str(m.message) for m in w)
     torch.testing.assert_close(ep.module()(x), (x * 3).sin())
+
+
+def test_op_held_by_an_exported_program_outlives_its_class():
+    """Note [Ops that graphs hold]: a graph keeps a dead class's op registered
+    (deregistering it left the graph's OpOverload dangling: ep.module() failed,
+    run_decompositions raised 'vector::reserve')."""
+    cls = make_scaled_ste(3.0)
+    torch_opaque.wrap(cls)
+
+    class M(torch.nn.Module):
+        def forward(self, x):
+            return cls.apply(x) * 2
+
+    ep = torch.export.export(M(), (torch.ones(3),))
+    name = F.lookup(cls).name
+    del cls, M
+    gc.collect()
+    torch_opaque.wrap(make_scaled_ste(1.0))  # a registry change retries pending releases
+    gc.collect()
+    x = torch.tensor([0.4, 1.6, -2.2], requires_grad=True)
+    y = ep.module()(x)
+    torch.testing.assert_close(y, x.detach().round() * 6)
+    y.sum().backward()
+    torch.testing.assert_close(x.grad, torch.full((3,), 6.0))  # the custom backward: 3 * 2
+    decomposed = ep.run_decompositions({})
+    assert any(name in str(n.target) for n in decomposed.graph.nodes)
+    torch.testing.assert_close(decomposed.module()(x.detach()), x.detach().round() * 6)

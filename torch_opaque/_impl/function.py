@@ -155,6 +155,19 @@ class Overload:
             forward_ad.define(self, fn.cls, fn.lib, arguments)
         batching.Rules(self, fn.cls).register(fn.lib, fn.name)
         SubclassRules(self).register(self, fn.lib)  # Note [Ops on wrapper subclasses]
+        self._own_references = self._references()  # Note [Ops that graphs hold]
+
+    def _references(self) -> tuple:
+        """How many references the op family's OpOverload objects and packets have."""
+        ops = [o for o in (self.op, self.fwd_op, self.bwd_op, self.jvp_op) if o is not None]
+        return tuple(sys.getrefcount(o) for o in ops) + tuple(
+            sys.getrefcount(o.overloadpacket) for o in ops
+        )
+
+    def held_elsewhere(self) -> bool:
+        """Whether something besides torch_opaque holds one of the op family's
+        OpOverload objects (Note [Ops that graphs hold])."""
+        return any(now > own for now, own in zip(self._references(), self._own_references))
 
     def __call__(self, args):
         out = self.op(*args)
@@ -701,11 +714,26 @@ def _class_freed(key: int):
     return freed
 
 
+# Note [Ops that graphs hold]
+# A graph that calls an op (an ExportedProgram, a GraphModule from FX or
+# torch.export, a compiled graph, Dynamo's and FakeTensorMode's caches)
+# holds its OpOverload objects, which point at the dispatcher's registration:
+# deregistering the op when its class dies would leave them dangling (calls
+# fail with nonsense or crash). So the ops of a dead class are released only
+# while nothing but torch_opaque holds those objects (reference counts at
+# most what they were when the overload was defined) and no autograd node
+# uses them; otherwise they stay registered, pending, for the process (a
+# class traced once keeps its ops: memory, never a dangling op).
+
+
 def _release_pending() -> None:
     """Release the ops of dead classes that nothing uses any more (under _LOCK)."""
     pending = _PENDING_RELEASE[:]  # a collection during this loop may add more
     del _PENDING_RELEASE[:]
     for fn in pending:
+        if any(ov.held_elsewhere() for ov in fn.overloads.values()):
+            _PENDING_RELEASE.append(fn)  # Note [Ops that graphs hold]
+            continue
         if all(_C.release_op(ov.handle, 1) for ov in fn.overloads.values()):
             _forget(fn)
         else:
