@@ -35,6 +35,8 @@ import warnings
 
 import torch
 
+from .._impl import autocast_check
+
 _installed = False
 
 
@@ -119,6 +121,19 @@ def _compiling(tx) -> bool:
     return not getattr(output, "export", False) and not torch.compiler.is_exporting()
 
 
+def _autocast(tx, fn, args, kwargs):
+    """The enabled autocast this call is traced under: a ``torch.autocast`` block
+    Dynamo is inside, or the thread's state for the arguments' devices."""
+    found = autocast_check.active_in_dynamo(tx)
+    if found:
+        return found
+    try:
+        examples = [_example(vt) for vt in _arg_trackers(fn, tx, args, kwargs)]
+    except Exception:  # (reported by the paths below)
+        return None
+    return autocast_check.active_for(examples)
+
+
 def _refuse(fn, effect: str):
     """A class wrapped explicitly whose forward has side effects, under torch.compile."""
     from ..errors import UnsupportedError
@@ -193,6 +208,12 @@ def _routed_call_apply(original):
             if fn.explicit:
                 raise _refuse(fn, effect)
             _fall_back(fn, effect)
+            return original(self, tx, args, kwargs)
+        autocast = _autocast(tx, fn, args, kwargs)
+        if autocast and fn.explicit:  # Note [Autocast while tracing] (_impl/autocast_check.py)
+            autocast_check.warn_once(fn.display_name, f"{fn.namespace}::{fn.name}", autocast)
+        elif autocast:  # this call only: the class stays an op elsewhere (export, eager)
+            autocast_check.warn_call_falls_back(fn.cls, autocast)
             return original(self, tx, args, kwargs)
         if fn.explicit:
             arg_vts = _arg_trackers(fn, tx, args, kwargs)
