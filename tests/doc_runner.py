@@ -30,6 +30,15 @@ def run_markdown(path: pathlib.Path) -> int:
 
     document = Sybil(parsers=[PythonCodeBlockParser(), SkipParser()]).parse(path)
     document.namespace["__name__"] = "__main__"
+    # The examples' code objects carry the Markdown file's name (for line
+    # numbers). Dynamo names the functions of a frame it traces by tokenizing
+    # that file as Python (torch/_dynamo/funcname_cache.py), and tokenize can
+    # raise IndentationError on Markdown, which torch does not catch: the file
+    # is told to have no functions.
+    from torch._dynamo import funcname_cache
+
+    funcname_cache.cache[str(path)] = {}
+    funcname_cache.cache[document.path] = {}
     count = 0
     for example in document:
         try:
