@@ -34,10 +34,7 @@ def forward_cls(namespace: str, name: str) -> Optional[type]:
     from .function import function_for_op
 
     fn = function_for_op(namespace, name)
-    if fn is None:
-        return None
-    ref = fn.cls_ref()
-    return ref
+    return None if fn is None else fn.cls_ref()
 
 
 def decode(namespace: str, name: str, overload: str, state: str, saved: tuple, state_ints):
