@@ -48,8 +48,10 @@ def load_library(path) -> None:
     # Dynamo routes torch.ops calls of C++ ops itself; the hook is armed for
     # double backward through compiled graphs holding them.
     from .hooks.dynamo import install_when_dynamo_loads
+    from .hooks.onnx_registry import install_when_onnx_loads
 
     install_when_dynamo_loads()
+    install_when_onnx_loads()  # Note [torch.onnx.export of opaque ops]
     before = _cpp_fakes.op_names()
     torch.ops.load_library(str(path))
     errors = _C.take_registration_errors()

@@ -36,6 +36,7 @@ from .. import _C
 from ..errors import ArchiveError, FakeForwardError, SchemaError
 from ..hooks import apply as _apply_hook
 from ..hooks import fx as _fx
+from ..hooks import onnx_registry as _onnx_hook
 from .kernels import BackwardRunner, FakeRunner, InferenceFake, Runner, check_tensor_outputs
 from .kernels import make_backward_fake
 from . import batching, forward_ad, in_place, side_effects
@@ -155,6 +156,7 @@ class Overload:
             forward_ad.define(self, fn.cls, fn.lib, arguments)
         batching.Rules(self, fn.cls).register(fn.lib, fn.name)
         SubclassRules(self).register(self, fn.lib)  # Note [Ops on wrapper subclasses]
+        _onnx_hook.new_ops((self.op, self.fwd_op, self.bwd_op))  # Note [torch.onnx.export of opaque ops]
         self._own_references = self._references()  # Note [Ops that graphs hold]
 
     def _references(self) -> tuple:
@@ -631,6 +633,7 @@ def ensure_routing() -> None:
     _apply_hook.install_apply_route(route_apply, _BY_ID, _auto._state)
     _dynamo_hook.install_when_dynamo_loads()
     _torchscript_hook.install()  # Note [TorchScript and wrapped classes]
+    _onnx_hook.install_when_onnx_loads()  # Note [torch.onnx.export of opaque ops]
     _ROUTING = True
 
 

@@ -16,6 +16,9 @@
 - :mod:`.fx`: ``torch.fx.symbolic_trace`` records a wrapped class's call as one
   node of its op; no patch, asked by the apply path when an argument is a
   Proxy (Note [FX symbolic tracing]).
+- :mod:`.onnx_registry`: every registry ``torch.onnx.export(dynamo=True)``
+  builds also translates opaque ops, installed when torch.onnx first imports
+  its registry module (Note [torch.onnx.export of opaque ops]).
 - :mod:`.torchscript`: ``torch.jit.script`` resolves ``Cls.apply`` of a wrapped
   class to its op, installed with the apply route
   (Note [TorchScript and wrapped classes]).

@@ -64,6 +64,9 @@ entry for every opaque op in the graph (found with ``torch_opaque.ops``):
   or by any other translation callable, which torch.onnx then calls like its
   own. ``inline=True`` inlines every model-local function (onnx_ir
   ``InlinePass``); unused functions and opset imports are dropped.
+* ``torch.onnx.export(model, args, dynamo=True)`` itself translates opaque ops
+  the same way (Note [torch.onnx.export of opaque ops] in torch_onnx_export.py),
+  but inlines every function: its model holds the forwards' bodies.
 """
 
 from __future__ import annotations

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import threading
+import warnings
 
 # Note [Registry reuse]: every torch.onnx.export call rebuilds the torchlib
 # registry (~4 s: onnxscript re-parses ~500 functions), and one export here makes
@@ -15,6 +16,7 @@ import threading
 _REGISTRIES: dict = {}
 _REGISTRY_LOCK = threading.Lock()
 _REGISTRY_USERS = [0]
+BUILDS = [0]  # torchlib registries built by the cache (tests count them)
 
 
 @contextlib.contextmanager
@@ -24,22 +26,39 @@ def reuse_torchlib_registry():
 
         cls = _registration.ONNXRegistry
         original = cls.__dict__["from_torchlib"]
-        default_opset = _registration.call_constants.TORCHLIB_OPSET
+        default_opset = _registration._constants.TORCHLIB_OPSET
     except (ImportError, AttributeError, KeyError):
+        warnings.warn(
+            "torch_opaque.onnx: this torch's ONNX exporter has no ONNXRegistry.from_torchlib; "
+            "every function body is exported with a registry built afresh (slower)."
+        )
         yield
         return
+    if getattr(original.__func__, "_torch_opaque_reuse", False):
+        yield  # an export inside one that reuses already
+        return
+    # torch's own entries only: the cached base must not hold opaque ops
+    # (Note [Ops that graphs hold]); each copy gets them (hooks/onnx_registry.py)
+    build = getattr(original.__func__, "_torch_opaque_original", original.__func__)
+    with_opaque = build is not original.__func__
 
     def from_torchlib(klass, opset_version=default_opset):
         base = _REGISTRIES.get(opset_version)
         if base is None:
-            base = original.__func__(klass, opset_version)
+            base = build(klass, opset_version)
+            BUILDS[0] += 1
             if not isinstance(getattr(base, "functions", None), dict):
                 return base
             _REGISTRIES[opset_version] = base
         registry = copy.copy(base)  # translations get registered into the copy
         registry.functions = {k: list(v) for k, v in base.functions.items()}
+        if with_opaque:
+            from .torch_onnx_export import add_translations
+
+            add_translations(registry)
         return registry
 
+    from_torchlib._torch_opaque_reuse = True
     with _REGISTRY_LOCK:
         _REGISTRY_USERS[0] += 1
         cls.from_torchlib = classmethod(from_torchlib)
