@@ -3,6 +3,7 @@
 #   scripts/dev.sh demo   build everything, run the seed demo
 #   scripts/dev.sh test   build everything, run pytest and CTest
 #   scripts/dev.sh build  build only
+#   scripts/dev.sh docs   build, then the documentation site into build/docs
 # It installs what it needs: Debian packages (apt), a virtual environment in
 # .venv with the pinned torch, and torch_opaque itself, built the way users get
 # it (pip, scikit-build-core: pyproject.toml) as an editable install whose C++
@@ -19,7 +20,9 @@ log() { printf '\n== %s\n' "$*"; }
 
 apt_deps() {
   local need=()
-  for pkg in cmake ninja-build g++ libgtest-dev libbenchmark-dev graphviz; do
+  # graphviz draws the docs' pictures (python -m torch_opaque inspect --graph);
+  # chromium renders the built site in tests/test_docs.py.
+  for pkg in cmake ninja-build g++ libgtest-dev libbenchmark-dev graphviz chromium; do
     dpkg -s "$pkg" >/dev/null 2>&1 || need+=("$pkg")
   done
   if ((${#need[@]})); then
@@ -88,12 +91,12 @@ PY
 build() {
   apt_deps
   python_env
-  log "pip install --no-build-isolation -e .[test] (C++ build in build/; the first one takes minutes)"
+  log "pip install --no-build-isolation -e .[test,docs] (C++ build in build/; the first one takes minutes)"
   # Editable: Python files come from torch_opaque/, the compiled files are
   # installed in site-packages/torch_opaque (lib/, include/, the CMake package).
   CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)} \
     "$VENV/bin/pip" install -q --disable-pip-version-check --no-build-isolation \
-    -C build-dir=build -C cmake.define.TORCH_OPAQUE_TESTS=ON -e ".[test]"
+    -C build-dir=build -C cmake.define.TORCH_OPAQUE_TESTS=ON -e ".[test,docs]"
   executorch_env
   local prefix
   prefix=$("$VENV/bin/python" -c "import torch.utils; print(torch.utils.cmake_prefix_path)")
@@ -117,11 +120,18 @@ run_tests() {
   (cd build && ctest --output-on-failure)
 }
 
+docs() {
+  log "sphinx-build -W docs build/docs"
+  "$VENV/bin/python" -m sphinx -W --keep-going -q -b html -d build/docs_doctrees docs build/docs
+  echo "open build/docs/index.html"
+}
+
 cmd=${1:-test}
 shift || true
 case "$cmd" in
   build) build ;;
   demo) build; "$VENV/bin/python" examples/seed_demo.py ;;
   test) build; run_tests "$@" ;;
-  *) echo "usage: scripts/dev.sh demo|test|build" >&2; exit 2 ;;
+  docs) build; docs ;;
+  *) echo "usage: scripts/dev.sh demo|test|build|docs" >&2; exit 2 ;;
 esac
