@@ -19,7 +19,7 @@ Kinds (issue #11):
   nostate    no ctx state, one float argument
   ctx.k      ctx.k = k (a float kept for the backward)
   newfloat   ctx.k = k with a different float on every call
-  ScaledTanh the README's example (type hints, ctx.scale)
+  ScaledTanh the example of docs/wrap-and-op.md (type hints, ctx.scale)
   stock      an unwrapped Function (ctx.k) once torch_opaque reroutes
              Function.apply (Note [Apply interception]): variant ``rerouted``
              (its Foo.apply) against ``original``, torch's own apply code

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The manual compatibility check (README "Compatibility"): the self-contained
+# The manual compatibility check (docs/shipping.md, "Compatibility"): the self-contained
 # archives kept in tests/fixtures (written under torch 2.13) loaded and run
 # under another torch, with no user code importable.
 #

@@ -12,7 +12,7 @@ self-contained, with no user code importable; its outputs and gradients are
 compared with what the stock autograd.Functions computed, then it is saved
 again and that is loaded and compared (tests/support/scripts/load_compat_check.py).
 The same self-contained ones are loaded under a later torch by
-scripts/check_archive_compat.sh (README "Compatibility").
+scripts/check_archive_compat.sh (docs/shipping.md, "Compatibility").
 """
 
 import base64

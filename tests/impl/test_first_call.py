@@ -175,7 +175,7 @@ def test_first_call_in_inference_mode_and_no_grad():
 
 
 def test_forward_reassigned_after_the_first_call_is_not_seen_by_its_overload():
-    # Documented (README, "The first call"): an overload's meaning is fixed once
+    # Documented (docs/wrap-and-op.md, "The first call"): an overload's meaning is fixed once
     # registered; compiled graphs, exported programs and archives refer to it.
     class Twice(torch.autograd.Function):
         @staticmethod
