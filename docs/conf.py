@@ -11,11 +11,10 @@ copyright = "2026, torch-opaque contributors"
 extensions = ["myst_parser", "sphinx.ext.autodoc"]
 source_suffix = {".md": "markdown"}
 root_doc = "index"
-exclude_patterns = ["_build", "pictures/*.md"]
+exclude_patterns = ["_build"]
 
 # `page.md#a-heading` links are checked against the headings of the pages.
 myst_heading_anchors = 3
-myst_enable_extensions = []
 
 # The API reference documents the installed package (tests and dev.sh install it
 # editable); what its docstrings say is checked by their doctests.
@@ -25,6 +24,3 @@ autodoc_default_options = {"members": True, "undoc-members": False}
 
 html_theme = "furo"
 html_title = "torch-opaque"
-html_static_path = []
-# A local build has no network: nothing is fetched at build or view time.
-html_theme_options = {}
