@@ -27,7 +27,7 @@ from .hooks.auto import AutoReport, auto, export
 from ._impl.function import DEFAULT_NAMESPACE, OpaqueFunction, is_wrapped, lookup, op, wrap
 from .errors import FakeForwardError, RegistrationError, SchemaError, UnsupportedError
 from .archive import ArchiveError, OpNotAllowedError, load, save
-from . import passes
+from . import config, passes
 from ._impl import cpp_fakes as _cpp_fakes
 from .training import export_training, training_outputs
 

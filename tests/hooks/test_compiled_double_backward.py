@@ -230,11 +230,14 @@ def test_first_order_backward_runs_the_compiled_backward_only(backend):
     f = torch.compile(lambda x: Tanh.apply(x).sum(), backend=backend, fullgraph=True)
     x = dbl(3)
     f(x)  # compile
+    # Inductor compiles the forward's body: its Python does not run per call
+    # (Note [Inductor sees through opaque ops] in torch_opaque/_impl/inductor_inline.py)
+    per_call = 0 if backend == "inductor" else 1
     Tanh.forwards = 0
     (g,) = torch.autograd.grad(f(x), x)
-    assert Tanh.forwards == 1 and not g.requires_grad
+    assert Tanh.forwards == per_call and not g.requires_grad
     (g,) = torch.autograd.grad(f(x), x, create_graph=True)
-    assert Tanh.forwards == 3  # the forward, then its eager replay
+    assert Tanh.forwards == 2 * per_call + 1  # the forward, then its eager replay
     assert g.grad_fn is not None
 
 

@@ -39,7 +39,7 @@ from ..hooks import fx as _fx
 from ..hooks import onnx_registry as _onnx_hook
 from .kernels import BackwardRunner, FakeRunner, InferenceFake, Runner, check_tensor_outputs
 from .kernels import make_backward_fake
-from . import batching, forward_ad, in_place, side_effects
+from . import batching, forward_ad, in_place, inductor_inline, side_effects
 from .schema import kinds_key, returns_from_hint, specs_from_hints, type_hints
 from .subclass_rules import SubclassRules
 from .schema import hints_accept, schema_arguments, specs_for_call, specs_from_values
@@ -157,12 +157,14 @@ class Overload:
         batching.Rules(self, fn.cls).register(fn.lib, fn.name)
         SubclassRules(self).register(self, fn.lib)  # Note [Ops on wrapper subclasses]
         _onnx_hook.new_ops((self.op, self.fwd_op, self.bwd_op))  # Note [torch.onnx.export of opaque ops]
+        inductor_inline.add(self)  # Note [Inductor sees through opaque ops]
         self._own_references = self._references()  # Note [Ops that graphs hold]
 
     def _references(self) -> tuple:
-        """How many references the op family's OpOverload objects and packets have."""
+        """How many references the op family's OpOverload objects and packets
+        have (those in Inductor's tables not counted)."""
         ops = [o for o in (self.op, self.fwd_op, self.bwd_op, self.jvp_op) if o is not None]
-        return tuple(sys.getrefcount(o) for o in ops) + tuple(
+        return tuple(sys.getrefcount(o) - inductor_inline.table_references(o) for o in ops) + tuple(
             sys.getrefcount(o.overloadpacket) for o in ops
         )
 
@@ -750,6 +752,7 @@ def _forget(fn: OpaqueFunction) -> None:
     from torch._library import simple_registry
 
     for ov in fn.overloads.values():  # the (now empty) fake-kernel entries
+        inductor_inline.remove(ov)
         for suffix in ("", "_fwd", "_bwd", "_jvp"):
             base = f"{fn.namespace}::{fn.name}{suffix}"
             simple_registry.singleton._data.pop(f"{base}.{ov.name}", None)

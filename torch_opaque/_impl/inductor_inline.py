@@ -1,0 +1,269 @@
+"""Inductor compiles the bodies of wrapped Functions (their forward and backward
+as ATen), so it fuses them with the code around them.
+
+Note [Inductor sees through opaque ops]
+In a graph Inductor compiles, an opaque op would be an extern call: Inductor
+runs the Python kernels of ``Name_fwd`` / ``Name_bwd`` and fuses nothing
+across them, while stock ``torch.compile`` traces an autograd.Function's body
+and fuses it with its neighbours (the op cost 1.2-1.6x stock compiled code in
+MLPs of small Linear layers, benchmarks/bench_compiled.py).
+
+So each ``Name_fwd`` and ``Name_bwd`` of a Function wrapped from Python has an
+entry in Inductor's own decomposition table
+(``torch._inductor.decomposition.decompositions`` and its cached copy with the
+random decompositions), and nowhere else: not in
+``torch._decomp.decomposition_table``, which FakeTensor prefers over the op's
+fake kernel under symbolic shapes and which DTensor and torch.onnx read. The
+table is what AOTAutograd traces Inductor's joint graph with, below autograd:
+
+- ``Name_fwd``'s entry runs the user's forward as the op's fake kernel does
+  (same runner, same needs_input_grad, grad mode off), on the traced tensors,
+  so its ATen ops are recorded in the graph, and hands the forward record to
+  the Autograd kernel (``_C.set_forward_record``). The record's ctx state is
+  encoded (the tensors it holds are residuals, Note [Eager state is for
+  nodes] in include/torch_opaque/forward_record.h), so ``Name_bwd`` gets it
+  as its ``state`` / ``state_ints`` arguments, as in any traced graph;
+- ``Name_bwd``'s entry runs the user's backward on those arguments (the same
+  runner as its kernel), so the custom backward is the one Inductor compiles,
+  not a derivative of the forward.
+
+The residuals stay the ones the forward saved; the partitioner may still
+recompute cheap ones. Only tables that ask for decompositions see the bodies:
+``torch.export``, ``export_training``, archives and ONNX keep one opaque node
+per call, and so do AOTInductor packages (``V.aot_compilation``: they run
+from C++ and are built from exported programs).
+
+A body that cannot be traced to ATen keeps the opaque call: before the traced
+run, the body runs once on the same fake tensors with tracing off, and the
+entry declines (returns NotImplemented, so the op's fake kernel runs and the
+graph keeps the call, whose Python kernel runs at run time) when that raises
+(numpy, data-dependent Python: anything a FakeTensor refuses), or modifies a
+tensor in place (the body is spliced below AOTAutograd's functionalization,
+which in-place ops would escape). A debug line on the ``torch_opaque`` logger
+says why. In-place Functions (``ctx.mark_dirty``) and ops defined in C++ keep
+their calls.
+
+``torch_opaque.config.inductor_inline = False`` keeps every call opaque in
+compiled code (read per compile; ``torch._dynamo.reset()`` drops graphs
+compiled before). The tables hold the OpOverloads; Note [Ops that graphs
+hold] does not count those references (``table_references``).
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import weakref
+import torch
+
+from .. import _C, config
+from .fake_from_real import discarding_fresh_unbacked
+from .tracing import dynamo_disabled
+
+log = logging.getLogger("torch_opaque")
+
+# OpOverload -> entry, for every overload defined (weakly: the overload owns them).
+_ENTRIES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _tables() -> list:
+    """Inductor's decomposition tables that exist now."""
+    mod = sys.modules.get("torch._inductor.decomposition")
+    if mod is None:
+        return []
+    tables = [mod.decompositions]
+    cached = getattr(mod, "fast_random_decomps", None)
+    info = getattr(cached, "cache_info", None)
+    if info is not None and info().currsize:
+        tables.append(cached())
+    return tables
+
+
+def _enabled() -> bool:
+    if not config.inductor_inline:
+        return False
+    v = sys.modules.get("torch._inductor.virtualized")
+    return not (v is not None and v.V.aot_compilation)
+
+
+class _Mutation(Exception):
+    pass
+
+
+class _MutationWatch(torch.utils._python_dispatch.TorchDispatchMode):
+    """Raises on the first op that writes into a tensor."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func._schema.is_mutable:
+            raise _Mutation(f"it modifies a tensor in place ({func})")
+        return func(*args, **(kwargs or {}))
+
+
+def _decline(op) -> object:
+    """NotImplemented, the op's call staying in the graph: Inductor lowers it
+    to a call of its kernel, as it would an op without an entry (make_fallback
+    refuses an op that has a decomposition, hence done here, once per op)."""
+    from torch._inductor import lowering
+    from torch._library.utils import get_layout_constraint_tag
+
+    if op not in lowering.lowerings:
+        constraint = lowering.tag_to_layout_constraint(get_layout_constraint_tag(op, with_default=True))
+        lowering.make_fallback(op, layout_constraint=constraint, warn=False, override_decomp=True)
+    return NotImplemented
+
+
+def _traceable(run, values, name: str, what: str) -> bool:
+    """Whether ``run()`` runs on these fake tensors as plain functional ATen code
+    (tracing off, fresh unbacked symbols dropped)."""
+    from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
+
+    try:
+        with disable_proxy_modes_tracing(), discarding_fresh_unbacked(values, ignore=True):
+            with _MutationWatch():
+                run()
+    except _Mutation as e:
+        why = str(e)
+    except Exception as e:  # anything a fake tensor refuses: numpy, data-dependent Python
+        why = f"it cannot run on fake tensors ({type(e).__name__}: {e})"
+    else:
+        return True
+    log.debug("torch_opaque: %s %s stays an opaque call in Inductor's graph: %s "
+              "(Note [Inductor sees through opaque ops])", name, what, why)
+    return False
+
+
+class _ForwardEntry:
+    def __init__(self, runner, op):
+        self.runner = runner
+        self.op = weakref.ref(op)
+
+    def __call__(self, *args, **kwargs):
+        if not _enabled():
+            return _decline(self.op())
+        r = self.runner
+        args, kwargs, needs = r.signature.split_needs_input_grad(args, kwargs)
+        if kwargs or len(args) != r.n_args:
+            args = r.complete(args, kwargs)
+        prev = torch.is_grad_enabled()
+        torch._C._set_grad_enabled(False)
+        try:
+            with dynamo_disabled():
+                if not _traceable(lambda: r.run(needs, args), list(args), r.fn_name, "forward"):
+                    return _decline(self.op())
+                outs, residuals, record = r.run(needs, args)
+        finally:
+            torch._C._set_grad_enabled(prev)
+        if record is not None:
+            _C.set_forward_record(*record)
+        return (*outs, residuals)
+
+
+class _BackwardEntry:
+    def __init__(self, runner, op):
+        self.runner = runner
+        self.op = weakref.ref(op)
+
+    def __call__(self, saved, grads, needs_input_grad, state, state_ints):
+        if not _enabled():
+            return _decline(self.op())
+        r = self.runner
+
+        def run():
+            return list(r(saved, grads, needs_input_grad, state, state_ints)[0])
+
+        with dynamo_disabled():
+            values = [list(saved), list(grads), list(state_ints)]
+            if not _traceable(run, values, r.fn_name, "backward"):
+                return _decline(self.op())
+            return run()
+
+
+def add(overload) -> None:
+    """Entries for ``overload``'s ``_fwd`` and ``_bwd`` (a Function wrapped from
+    Python, not in place), in Inductor's tables now and when Inductor loads."""
+    if overload.dirty:
+        return
+    _ENTRIES[overload.fwd_op] = _ForwardEntry(overload.runner, overload.fwd_op)
+    _ENTRIES[overload.bwd_op] = _BackwardEntry(overload.bwd_runner, overload.bwd_op)
+    for table in _tables():
+        table[overload.fwd_op] = _ENTRIES[overload.fwd_op]
+        table[overload.bwd_op] = _ENTRIES[overload.bwd_op]
+    _arm()
+
+
+def remove(overload) -> None:
+    """Drop ``overload``'s entries (its ops are being released)."""
+    for op in (overload.fwd_op, overload.bwd_op):
+        _ENTRIES.pop(op, None)
+        for table in _tables():
+            table.pop(op, None)
+
+
+def table_references(op) -> int:
+    """How many references to ``op`` Inductor's tables hold for torch_opaque
+    (Note [Ops that graphs hold] does not count them as a graph's)."""
+    return sum(1 for table in _tables() if op in table) if op in _ENTRIES else 0
+
+
+_armed = False
+
+
+def _arm() -> None:
+    """Inductor's tables get the entries when its decomposition module loads,
+    and AOTAutograd's cache check is told about opaque ops when it loads."""
+    global _armed
+    if _armed:
+        return
+    _armed = True
+    from ..hooks.dynamo import AfterFirstImport
+
+    def tables_loaded(_module):
+        for table in _tables():
+            table.update(_ENTRIES)
+
+    if "torch._inductor.decomposition" in sys.modules:
+        tables_loaded(None)
+    else:
+        AfterFirstImport("torch._inductor.decomposition", tables_loaded).arm()
+    name = "torch._functorch._aot_autograd.autograd_cache"
+    if name in sys.modules:
+        _bypass_aot_cache(sys.modules[name])
+    else:
+        AfterFirstImport(name, _bypass_aot_cache).arm()
+
+
+# Note [Opaque ops bypass AOTAutograd's cache]
+# AOTAutogradCache keys a compiled region on its Dynamo graph, where an
+# opaque call is only the op's name: not the Function's bodies, which the
+# compiled code holds once Inductor inlines them (nor the ctx state that
+# ``Name_bwd`` calls carry as constants). A cached entry would outlive an
+# edit of the Function's forward or backward. So a Dynamo graph that calls
+# an op wrapped from Python is not cached by AOTAutograd (a bypass, counted
+# in its counters); Inductor's FX graph cache, keyed on the graph it
+# compiles (the bodies included), still serves the compiled kernels.
+
+
+def _bypass_aot_cache(module) -> None:
+    original = getattr(module, "check_node_safe", None)
+    if original is None or getattr(original, "_torch_opaque", False):
+        return
+    from ..ops import opaque_info
+
+    def check_node_safe(node):
+        if node.op == "call_function":
+            target = node.target
+            if isinstance(target, torch._ops.OpOverloadPacket):
+                targets = [getattr(target, o) for o in target.overloads()]
+            else:
+                targets = [target]
+            for t in targets:
+                info = opaque_info(t)
+                if info is not None and info.function is not None:
+                    raise module.BypassAOTAutogradCache(
+                        f"torch_opaque: {t} runs a Python Function whose bodies are not in "
+                        f"the cache key (Note [Opaque ops bypass AOTAutograd's cache])"
+                    )
+        return original(node)
+
+    check_node_safe._torch_opaque = True
+    module.check_node_safe = check_node_safe
