@@ -64,6 +64,10 @@ NodeTakesRecordScope::~NodeTakesRecordScope() { tls_node_takes_record = saved_; 
 
 bool take_node_takes_record() { return std::exchange(tls_node_takes_record, false); }
 
+ForwardRecord* pending_forward_record() {
+  return tls_call.record ? &*tls_call.record : nullptr;
+}
+
 std::optional<ForwardRecord> ForwardCallScope::take_record() {
   return std::exchange(tls_call.record, std::nullopt);
 }

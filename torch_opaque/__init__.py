@@ -30,6 +30,7 @@ from .archive import ArchiveError, OpNotAllowedError, load, save
 from . import config, passes
 from ._impl import cpp_fakes as _cpp_fakes
 from .training import export_training, training_outputs
+from ._impl.sharding import register_sharding  # Note [Sharding opaque ops]
 
 # Importing changes nothing in torch: the first wrap()/op/auto() reroutes
 # Function.apply and arms the Dynamo hook (torch_opaque/hooks/__init__.py).
@@ -110,4 +111,5 @@ __all__ = [
     "passes",
     "export_training",
     "training_outputs",
+    "register_sharding",
 ]

@@ -37,6 +37,29 @@ void set_forward_record_py(const std::vector<int64_t>& saved,
   set_forward_record(std::move(r));
 }
 
+// Note [Sharding opaque ops] (torch_opaque/_impl/sharding.py): the DTensor
+// handler of `_fwd` ran the forward kernel on redistributed local tensors, so
+// saved arguments it redistributed become the residuals it appended (one
+// (index, item or -1, residual) triple each), and one more residual is saved
+// last. False when no record is pending (the call is not recorded).
+bool reroute_forward_record(const std::vector<std::tuple<int64_t, int64_t, int64_t>>& inputs,
+                            int64_t extra_residual) {
+  ForwardRecord* r = detail::pending_forward_record();
+  if (r == nullptr) return false;
+  for (SavedRef& ref : r->saved) {
+    for (const auto& [index, item, residual] : inputs) {
+      const bool whole = ref.kind == SavedKind::Input && item < 0;
+      const bool element = ref.kind == SavedKind::InputListItem && ref.item == item;
+      if (ref.index == index && (whole || element)) {
+        ref = SavedRef{SavedKind::Residual, residual, 0};
+        break;
+      }
+    }
+  }
+  r->saved.push_back(SavedRef{SavedKind::Residual, extra_residual, 0});
+  return true;
+}
+
 // Note [Data-dependent sizes] (fake_checks.h): a C++ fake's
 // ctx.new_dynamic_size() asks the fake tracing context for an unbacked size.
 c10::SymInt dynamic_size_from_python(int64_t min, std::optional<int64_t> max) {
@@ -130,6 +153,10 @@ PYBIND11_MODULE(_C, m) {
         "(Note [Batching rules] in _impl/batching.py).");
   m.def("set_debug", &set_debug, py::arg("on"));
   m.def("debug_enabled", &debug_enabled);
+  m.def("reroute_forward_record", &reroute_forward_record, py::arg("inputs"),
+        py::arg("extra_residual"),
+        "Point the pending forward record's saved arguments at residuals and save one "
+        "more residual (Note [Sharding opaque ops]); False when none is pending.");
   m.def("set_forward_record", &set_forward_record_py, py::arg("saved"),
         py::arg("non_differentiable"), py::arg("materialize_grads"), py::arg("state"),
         py::arg("state_ints"));

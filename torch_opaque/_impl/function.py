@@ -39,7 +39,7 @@ from ..hooks import fx as _fx
 from ..hooks import onnx_registry as _onnx_hook
 from .kernels import BackwardRunner, FakeRunner, InferenceFake, Runner, check_tensor_outputs
 from .kernels import make_backward_fake
-from . import batching, forward_ad, in_place, inductor_inline, side_effects
+from . import batching, forward_ad, in_place, inductor_inline, sharding, side_effects
 from .schema import kinds_key, returns_from_hint, specs_from_hints, type_hints
 from .subclass_rules import SubclassRules
 from .schema import hints_accept, schema_arguments, specs_for_call, specs_from_values
@@ -156,6 +156,7 @@ class Overload:
             forward_ad.define(self, fn.cls, fn.lib, arguments)
         batching.Rules(self, fn.cls).register(fn.lib, fn.name)
         SubclassRules(self).register(self, fn.lib)  # Note [Ops on wrapper subclasses]
+        sharding.install_for_overload(self)  # Note [Sharding opaque ops]
         _onnx_hook.new_ops((self.op, self.fwd_op, self.bwd_op))  # Note [torch.onnx.export of opaque ops]
         inductor_inline.add(self)  # Note [Inductor sees through opaque ops]
         self._own_references = self._references()  # Note [Ops that graphs hold]
@@ -323,6 +324,8 @@ class OpaqueFunction:
 
     def apply(self, *args, **kwargs):
         values = self.bind(args, kwargs)
+        if sharding.has_dtensor(values) and not sharding.has_rule(self.cls):
+            raise sharding.missing_rule_error(self.display_name)  # Note [Sharding opaque ops]
         ov = self.defined_overload(values)
         primed = None
         if ov is None:
@@ -748,6 +751,8 @@ def _release_pending() -> None:
 def _forget(fn: OpaqueFunction) -> None:
     if _BY_OPNAME.get((fn.namespace, fn.name)) is fn:
         del _BY_OPNAME[(fn.namespace, fn.name)]
+    for ov in fn.overloads.values():
+        sharding.forget(ov)
     fn.lib._destroy()
     from torch._library import simple_registry
 

@@ -42,6 +42,8 @@ up at every stage, and each is caught there:
   stock Function raises too is the user's error and propagates unchanged;
 - backward: the error propagates (the forward already ran as an op) with a
   note, and the class is fallen back from the next call on.
+A call with DTensor arguments of a class that has no sharding rule runs as
+the ordinary Function, that call only (Note [Sharding opaque ops]).
 Exceptions that are control flow pass through every stage untouched, with no
 re-run and no fall-back (Note [Control-flow exceptions]).
 A fallen-back class met while a graph is exported (torch.export, strict or
@@ -64,6 +66,7 @@ from typing import Optional
 
 import torch
 
+from .._impl import sharding as _sharding
 from .._impl.in_place import uses_mark_dirty
 from .._impl.tracing import real_shaped
 from . import fx as _fx
@@ -320,6 +323,8 @@ def call(cls: type, args: tuple, kwargs: dict):
         return ORIGINAL_APPLY(cls, *args, **kwargs)
     if fn.explicit:
         return fn.apply(*args, **kwargs)
+    if _sharding.auto_call_runs_stock(cls, (*args, *kwargs.values())):
+        return ORIGINAL_APPLY(cls, *args, **kwargs)  # this call only: Note [Sharding opaque ops]
     # The first eager call runs the forward once, for real, as wrapped classes do
     # (Note [First call runs forward once]): no fake run (which imports Dynamo)
     # and, for forwards that cannot run on fake tensors (numpy, .item()), no
