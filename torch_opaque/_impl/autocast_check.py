@@ -1,7 +1,10 @@
-"""Refusing to trace an op under autocast (Note [Autocast while tracing]).
+"""Warning where an in-place Function's op is traced under autocast (Note
+[Autocast while tracing]).
 
 Note [Autocast while tracing]
-In eager code the op's forward runs under the caller's autocast state, as a
+Other Functions record the autocast state into the call (Note [Autocast in the
+call] in autocast_variant.py); this is what is left for in-place ones
+(``ctx.mark_dirty``), whose op has no autocast variant yet. In eager code the op's forward runs under the caller's autocast state, as a
 stock Function's does (the kernels keep the thread's autocast state: Note
 [User code sees autograd]). A traced program does not: ``torch.export``
 (``run_decompositions``, ``ep.module()``) and ``torch.compile`` apply

@@ -39,7 +39,7 @@ from ..hooks import fx as _fx
 from ..hooks import onnx_registry as _onnx_hook
 from .kernels import BackwardRunner, FakeRunner, InferenceFake, Runner, check_tensor_outputs
 from .kernels import make_backward_fake
-from . import batching, forward_ad, in_place, inductor_inline, sharding, side_effects
+from . import autocast_variant, batching, forward_ad, in_place, inductor_inline, sharding, side_effects
 from .schema import kinds_key, returns_from_hint, specs_from_hints, type_hints
 from .subclass_rules import SubclassRules
 from .schema import hints_accept, schema_arguments, specs_for_call, specs_from_values
@@ -158,6 +158,7 @@ class Overload:
         SubclassRules(self).register(self, fn.lib)  # Note [Ops on wrapper subclasses]
         sharding.install_for_overload(self)  # Note [Sharding opaque ops]
         _onnx_hook.new_ops((self.op, self.fwd_op, self.bwd_op))  # Note [torch.onnx.export of opaque ops]
+        autocast_variant.register(self, fn.lib)  # Note [Autocast in the call]
         inductor_inline.add(self)  # Note [Inductor sees through opaque ops]
         self._own_references = self._references()  # Note [Ops that graphs hold]
 
@@ -770,6 +771,20 @@ def _forget(fn: OpaqueFunction) -> None:
     fn.overloads.clear()
     fn._by_kinds.clear()
     fn._single = None
+
+
+def define_autocast_variant(fn: OpaqueFunction, variant_cls: type, name: str) -> OpaqueFunction:
+    """The op family of ``fn``'s autocast variant (Note [Autocast in the call]):
+    ``variant_cls`` wrapped as ``name`` (or a free name after it), its class
+    kept alive by the variant, which ``fn`` keeps."""
+    with _LOCK:
+        op_name = _free_name(fn.namespace, name)
+        variant = OpaqueFunction(variant_cls, fn.namespace, op_name, explicit=True)
+        variant.autocast_base = fn
+        variant.autocast_class = variant_cls
+        _BY_ID[id(variant_cls)] = variant
+        _BY_OPNAME[(fn.namespace, op_name)] = variant
+    return variant
 
 
 def _free_name(namespace: str, base: str) -> str:

@@ -209,7 +209,9 @@ def _routed_call_apply(original):
                 raise _refuse(fn, effect)
             _fall_back(fn, effect)
             return original(self, tx, args, kwargs)
-        autocast = _autocast(tx, fn, args, kwargs)
+        # Note [Autocast in the call] (_impl/autocast_variant.py); in-place
+        # Functions do not record it yet: Note [Autocast while tracing]
+        autocast = _autocast(tx, fn, args, kwargs) if fn.dirty else None
         if autocast and fn.explicit:  # Note [Autocast while tracing] (_impl/autocast_check.py)
             autocast_check.warn_once(fn.display_name, f"{fn.namespace}::{fn.name}", autocast)
         elif autocast:  # this call only: the class stays an op elsewhere (export, eager)
