@@ -227,6 +227,28 @@ def check_auto_with_rule(mesh):
         assert Cube in report.ops and not report.fallbacks, report
 
 
+def check_compiled(mesh):
+    """torch.compile (aot_eager, one graph) of the op with a rule, and of a class
+    without one under auto() (stock for that call), against stock eager."""
+    Cube, NoRule, Stock = cube_class("CubeJit"), cube_class("CubeJitAuto"), cube_class("CubeJitStock")
+    torch_opaque.wrap(Cube)
+    torch_opaque.register_sharding(Cube, "pointwise")
+    full = torch.randn(4, 3)
+    ref_x = leaf(mesh, full, [Shard(0)])
+    ref = Stock.apply(ref_x) * 2
+    ref.full_tensor().sum().backward()
+    for cls, mode in ((Cube, contextlib.nullcontext), (NoRule, torch_opaque.auto)):
+        torch._dynamo.reset()
+        x = leaf(mesh, full, [Shard(0)])
+        with warnings.catch_warnings(), mode():
+            warnings.simplefilter("ignore")
+            out = torch.compile(lambda t: cls.apply(t) * 2, backend="aot_eager", fullgraph=True)(x)
+        same(out, ref)
+        out.full_tensor().sum().backward()
+        grads_equal(x.grad, ref_x.grad)
+    assert torch_opaque.hooks.auto.fallen_back(NoRule) is None
+
+
 def check_cpp_op(mesh, lib):
     torch_opaque.load_library(lib)
     op = torch.ops.example.scaled_sin

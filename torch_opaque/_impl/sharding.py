@@ -36,19 +36,23 @@ The rule serves the whole family:
   shards gives that rank's shard or share of the outputs).
 
 Registration is lazy about torch.distributed: nothing is imported until a
-rule is registered. A rule given for a class applies to the overloads it has
+rule is registered. In-place (``mark_dirty``) overloads get no handlers. A rule given for a class applies to the overloads it has
 and to those later calls define (its ops under ``auto()`` too); one given for
 a C++ op applies to that overload (or to every overload of a packet).
 Without a rule, ``Cls.apply`` on DTensors raises an error that names this
 call, and ``auto()`` runs such a call as the stock Function (that call only:
-the class stays an op for plain tensors; Note [Auto fall-back]).
+the class stays an op for plain tensors; Note [Auto fall-back]); both in
+eager code and where Dynamo meets the call (hooks/dynamo.py). Under
+torch.compile the handlers run on DTensors of fake tensors, as DTensor's own
+rules do, so a compiled call with a rule keeps the op.
 """
 
 from __future__ import annotations
 
 import sys
+import threading
 import weakref
-from typing import Callable, Optional, Union
+from typing import Callable, Union
 
 import torch
 
@@ -62,6 +66,7 @@ _CLASS_RULES: "weakref.WeakKeyDictionary[type, object]" = weakref.WeakKeyDiction
 # the specs a Name_fwd call chose, read back by its Name_bwd (the last residual holds the index)
 _CHOICES: list = []
 _CHOICE_INDEX: dict = {}
+_CHOICE_LOCK = threading.Lock()
 
 
 def _dtensor_type():
@@ -137,13 +142,10 @@ def register_sharding(target, rule: Union[str, Callable]) -> None:
             install_for_overload(ov)
         return
     for main, fwd, bwd, fn in _families(target):
-        if fn is not None:  # a Python Function's op: its later overloads too
-            _CLASS_RULES[fn.cls] = rule
-        _install(main, fwd, bwd, rule)
-        if fn is not None:
-            ov = fn.overloads.get(main._overloadname)
-            if ov is not None:
-                ov._own_references = ov._references()  # Note [Ops that graphs hold]
+        if fn is not None:  # a Python Function's op: the rule is its class's
+            register_sharding(fn.cls, rule)
+        else:
+            _install(main, fwd, bwd, rule)
 
 
 def _check_rule(rule) -> None:
@@ -207,6 +209,11 @@ def forget(ov) -> None:
 
 
 def _install(main, fwd, bwd, rule) -> None:
+    if not torch.distributed.is_available():
+        raise RuntimeError(
+            "torch_opaque.register_sharding: this torch is built without torch.distributed, "
+            "so there are no DTensors to shard; install a torch build with distributed support."
+        )
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.experimental import register_sharding as dtensor_rule
 
@@ -264,10 +271,15 @@ def _replicated(mesh, local: torch.Tensor):
 
 
 def _remember(choice) -> int:
+    """The index of a forward's choice of specs (one entry per distinct choice:
+    meshes, placements and global shapes seen, for the process)."""
     index = _CHOICE_INDEX.get(choice)
     if index is None:
-        index = _CHOICE_INDEX[choice] = len(_CHOICES)
-        _CHOICES.append(choice)
+        with _CHOICE_LOCK:
+            index = _CHOICE_INDEX.get(choice)
+            if index is None:
+                _CHOICES.append(choice)
+                index = _CHOICE_INDEX[choice] = len(_CHOICES) - 1
     return index
 
 
@@ -421,7 +433,7 @@ def auto_call_runs_stock(cls: type, values) -> bool:
         warnings.warn(
             f"torch_opaque.auto(): {cls.__qualname__} runs as an ordinary autograd.Function for "
             f"this call because {reason}.",
-            stacklevel=4,
+            stacklevel=auto._user_stacklevel(),
         )
     return True
 

@@ -36,6 +36,7 @@ import warnings
 import torch
 
 from .._impl import autocast_check
+from .._impl import sharding as _sharding
 
 _installed = False
 
@@ -134,6 +135,18 @@ def _autocast(tx, fn, args, kwargs):
     return autocast_check.active_for(examples)
 
 
+def _dtensor_without_rule(tx, fn, args, kwargs) -> bool:
+    """DTensor arguments and no sharding rule for the class (under auto(): said
+    once, and the call runs as the stock Function)."""
+    try:
+        examples = [_example(vt) for vt in _arg_trackers(fn, tx, args, kwargs)]
+    except Exception:  # (reported by the paths below)
+        return False
+    if fn.explicit:
+        return _sharding.has_dtensor(examples) and not _sharding.has_rule(fn.cls)
+    return _sharding.auto_call_runs_stock(fn.cls, examples)
+
+
 def _refuse(fn, effect: str):
     """A class wrapped explicitly whose forward has side effects, under torch.compile."""
     from ..errors import UnsupportedError
@@ -202,6 +215,10 @@ def _routed_call_apply(original):
             if auto.active():
                 auto.warn_if_traced_inline(cls)
             return original(self, tx, args, kwargs)
+        if _dtensor_without_rule(tx, fn, args, kwargs):  # Note [Sharding opaque ops]
+            if fn.explicit:
+                raise _sharding.missing_rule_error(fn.display_name)
+            return original(self, tx, args, kwargs)  # this call only
         compiling = _compiling(tx)
         effect = _side_effect(fn, tx, args, kwargs) if compiling else None
         if effect:  # before any fake run of the forward, which would leak
