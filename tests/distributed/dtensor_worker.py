@@ -227,6 +227,37 @@ def check_auto_with_rule(mesh):
         assert Cube in report.ops and not report.fallbacks, report
 
 
+def two_outputs_class(name):
+    def forward(ctx, x, k: float):
+        y, z = x.exp(), x * k
+        ctx.save_for_backward(y)  # an output saved, and ctx state
+        ctx.k = k
+        return y, z
+
+    def backward(ctx, gy, gz):
+        (y,) = ctx.saved_tensors
+        return gy * y + gz * ctx.k, None
+
+    return type(name, (torch.autograd.Function,), {
+        "forward": staticmethod(forward), "backward": staticmethod(backward),
+        "__module__": "dtensor_worker"})
+
+
+def check_two_outputs(mesh):
+    Two, Stock = two_outputs_class("TwoOut"), two_outputs_class("TwoOutStock")
+    torch_opaque.wrap(Two)
+    torch_opaque.register_sharding(Two, "pointwise")
+    full = torch.randn(4, 3, dtype=torch.float64)
+    for p in ([Shard(1)], [Replicate()]):
+        x, y = leaf(mesh, full, p), leaf(mesh, full, p)
+        outs, refs = Two.apply(x, 3.0), Stock.apply(y, 3.0)
+        for a, b in zip(outs, refs):
+            same(a, b)
+        (outs[0] * outs[1]).full_tensor().sum().backward()
+        (refs[0] * refs[1]).full_tensor().sum().backward()
+        grads_equal(x.grad, y.grad)
+
+
 def check_compiled(mesh):
     """torch.compile (aot_eager, one graph) of the op with a rule, and of a class
     without one under auto() (stock for that call), against stock eager."""

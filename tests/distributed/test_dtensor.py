@@ -74,6 +74,7 @@ def _check(results, name):
         "missing_rule",
         "auto_without_rule",
         "auto_with_rule",
+        "two_outputs",
         "compiled",
         "cpp_op",
     ],
