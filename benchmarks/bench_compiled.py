@@ -27,8 +27,8 @@ the round. The table gives, per variant, the time per step (median over the
 rounds) and the median [min..max] of the per-round ratios. Before timing,
 every variant's gradients are compared with stock eager's.
 
-Compile time (``--compile-rounds`` > 0): a chain of ``--compile-calls`` calls
-of a Function, compiled afresh (``torch._dynamo.reset()``, Inductor's caches
+Compile time (``--compile-rounds`` > 0): bench_export.py's chain of
+``--compile-calls`` calls of a Function, compiled afresh (``torch._dynamo.reset()``, Inductor's caches
 off) and run once forward and backward, stock against wrapped (inlined and
 opaque), wall time; median [min..max] of the per-round ratios to stock.
 """
@@ -261,22 +261,13 @@ def speed_table(models, backend: str, rounds: int, n: int) -> None:
         print(f"| {model} | " + " | ".join(cells) + " |", flush=True)
 
 
-class Chain(torch.nn.Module):
-    def __init__(self, fn, calls: int):
-        super().__init__()
-        self.fn, self.calls = fn, calls
-
-    def forward(self, x):
-        for i in range(self.calls):
-            x = self.fn.apply(x, 1.0 + 1e-3 * (i % 7))
-        return x
-
-
 def compile_table(backend: str, rounds: int, calls: int) -> None:
     import torch._inductor.config as inductor_config
 
-    variants = {"stock": function_pair("stock", "chain")[0],
-                "wrapped": function_pair("wrapped", "chain")[0]}
+    from bench_export import Chain, make_function  # the chain bench_export.py compiles
+
+    variants = {"stock": make_function("ChainStock", False),
+                "wrapped": make_function("ChainWrapped", True)}
     x = torch.randn(64)
 
     def measure(fn, inline: bool) -> float:

@@ -5,8 +5,8 @@ Note [Inductor sees through opaque ops]
 In a graph Inductor compiles, an opaque op would be an extern call: Inductor
 runs the Python kernels of ``Name_fwd`` / ``Name_bwd`` and fuses nothing
 across them, while stock ``torch.compile`` traces an autograd.Function's body
-and fuses it with its neighbours (the op cost 1.2-1.6x stock compiled code in
-MLPs of small Linear layers, benchmarks/bench_compiled.py).
+and fuses it with its neighbours (issue #28 measured up to 1.55x stock
+compiled code for MLPs of small Linear layers; benchmarks/bench_compiled.py).
 
 So each ``Name_fwd`` and ``Name_bwd`` of a Function wrapped from Python has an
 entry in Inductor's own decomposition table
@@ -37,11 +37,16 @@ A body that cannot be traced to ATen keeps the opaque call: before the traced
 run, the body runs once on the same fake tensors with tracing off, and the
 entry declines (returns NotImplemented, so the op's fake kernel runs and the
 graph keeps the call, whose Python kernel runs at run time) when that raises
-(numpy, data-dependent Python: anything a FakeTensor refuses), or modifies a
-tensor in place (the body is spliced below AOTAutograd's functionalization,
-which in-place ops would escape). A debug line on the ``torch_opaque`` logger
-says why. In-place Functions (``ctx.mark_dirty``) and ops defined in C++ keep
-their calls.
+(numpy, data-dependent Python: anything a FakeTensor refuses) or writes into
+an argument. A debug line on the ``torch_opaque`` logger says why. A body
+that writes into its own tensors (``y.clamp_(min=0)``, ``g[x < 0] = 0``) is
+traced under functionalization, as AOTAutograd's is: the entries run below
+AOTAutograd's own, which in-place ops would escape. In-place Functions
+(``ctx.mark_dirty``) and ops defined in C++ keep their calls.
+
+Under Inductor the bodies' Python runs when the graph is traced, not per call
+(as for code stock torch.compile traces): a counter or print in a forward
+runs at compile time only.
 
 ``torch_opaque.config.inductor_inline = False`` keeps every call opaque in
 compiled code (read per compile; ``torch._dynamo.reset()`` drops graphs
@@ -54,7 +59,9 @@ from __future__ import annotations
 import logging
 import sys
 import weakref
+
 import torch
+from torch.utils._pytree import tree_flatten, tree_map_only
 
 from .. import _C, config
 from .fake_from_real import discarding_fresh_unbacked
@@ -86,16 +93,16 @@ def _enabled() -> bool:
     return not (v is not None and v.V.aot_compilation)
 
 
-class _Mutation(Exception):
-    pass
+class _Writes(torch.utils._python_dispatch.TorchDispatchMode):
+    """Notes the first op that writes into a tensor."""
 
-
-class _MutationWatch(torch.utils._python_dispatch.TorchDispatchMode):
-    """Raises on the first op that writes into a tensor."""
+    def __init__(self):
+        super().__init__()
+        self.seen = None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func._schema.is_mutable:
-            raise _Mutation(f"it modifies a tensor in place ({func})")
+        if self.seen is None and func._schema.is_mutable:
+            self.seen = func
         return func(*args, **(kwargs or {}))
 
 
@@ -112,27 +119,54 @@ def _decline(op) -> object:
     return NotImplemented
 
 
-def _traceable(run, values, name: str, what: str) -> bool:
-    """Whether ``run()`` runs on these fake tensors as plain functional ATen code
-    (tracing off, fresh unbacked symbols dropped)."""
+def _check(run, values, name: str, what: str):
+    """``run(values)`` once on these fake tensors with tracing off (fresh
+    unbacked symbols dropped): None when it cannot be inlined (it raised, or
+    wrote into its arguments), else whether it writes into its own tensors."""
     from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
 
+    inputs = [t for t in tree_flatten(values)[0] if isinstance(t, torch.Tensor)]
+    versions = [t._version for t in inputs]
+    writes = _Writes()
     try:
         with disable_proxy_modes_tracing(), discarding_fresh_unbacked(values, ignore=True):
-            with _MutationWatch():
-                run()
-    except _Mutation as e:
-        why = str(e)
+            with writes:
+                run(values)
     except Exception as e:  # anything a fake tensor refuses: numpy, data-dependent Python
         why = f"it cannot run on fake tensors ({type(e).__name__}: {e})"
     else:
-        return True
+        if [t._version for t in inputs] == versions:
+            return writes.seen is not None
+        why = f"it modifies its argument in place ({writes.seen})"
     log.debug("torch_opaque: %s %s stays an opaque call in Inductor's graph: %s "
               "(Note [Inductor sees through opaque ops])", name, what, why)
-    return False
+    return None
+
+
+def _functional(run, values):
+    """``run(values)`` traced with its in-place ops made functional, as
+    AOTAutograd's functionalization (which the entries run below) does."""
+    from torch._functorch._aot_autograd.functional_utils import from_fun, to_fun
+    from torch._subclasses.functional_tensor import FunctionalTensorMode
+
+    with FunctionalTensorMode():
+        out = run(tree_map_only(torch.Tensor, to_fun, values))
+    return tree_map_only(torch.Tensor, from_fun, out)
+
+
+def _traced(run, values, name: str, what: str):
+    """``run(values)`` traced into the graph, or NotImplemented (Note [Inductor
+    sees through opaque ops])."""
+    writes = _check(run, values, name, what)
+    if writes is None:
+        return NotImplemented
+    return _functional(run, values) if writes else run(values)
 
 
 class _ForwardEntry:
+    """``Name_fwd``'s entry: the forward as its fake kernel runs it (the real
+    forward, not a user ``fake``), on the traced tensors."""
+
     def __init__(self, runner, op):
         self.runner = runner
         self.op = weakref.ref(op)
@@ -148,17 +182,20 @@ class _ForwardEntry:
         torch._C._set_grad_enabled(False)
         try:
             with dynamo_disabled():
-                if not _traceable(lambda: r.run(needs, args), list(args), r.fn_name, "forward"):
-                    return _decline(self.op())
-                outs, residuals, record = r.run(needs, args)
+                got = _traced(lambda a: r.run(needs, a), list(args), r.fn_name, "forward")
         finally:
             torch._C._set_grad_enabled(prev)
+        if got is NotImplemented:
+            return _decline(self.op())
+        outs, residuals, record = got
         if record is not None:
             _C.set_forward_record(*record)
         return (*outs, residuals)
 
 
 class _BackwardEntry:
+    """``Name_bwd``'s entry: the user's backward on its arguments."""
+
     def __init__(self, runner, op):
         self.runner = runner
         self.op = weakref.ref(op)
@@ -168,14 +205,13 @@ class _BackwardEntry:
             return _decline(self.op())
         r = self.runner
 
-        def run():
-            return list(r(saved, grads, needs_input_grad, state, state_ints)[0])
+        def run(values):
+            saved, grads, ints = values
+            return list(r(saved, grads, needs_input_grad, state, ints)[0])
 
         with dynamo_disabled():
-            values = [list(saved), list(grads), list(state_ints)]
-            if not _traceable(run, values, r.fn_name, "backward"):
-                return _decline(self.op())
-            return run()
+            got = _traced(run, [list(saved), list(grads), list(state_ints)], r.fn_name, "backward")
+        return _decline(self.op()) if got is NotImplemented else got
 
 
 def add(overload) -> None:
