@@ -43,6 +43,7 @@ import torch
 
 STATE_ARG = "autocast_state"
 SUFFIX = "_autocast"
+QUALNAME_PART = "<autocast>"  # the variant class's qualname: <base qualname>.<autocast>
 
 
 def _autocast_keys() -> dict:
@@ -134,7 +135,8 @@ def variant_class(cls: type, setup_style: bool) -> type:
         "vmap": torch.autograd.Function.vmap,
         "generate_vmap_rule": False,
         "__module__": cls.__module__,
-        "__qualname__": f"{cls.__qualname__}[autocast]",
+        # archives name the variant by its base class (archive/loading.py)
+        "__qualname__": f"{cls.__qualname__}.{QUALNAME_PART}",
     }
     if setup_context is not None:
         body["setup_context"] = staticmethod(setup_context)
@@ -199,3 +201,10 @@ def variant_of(fn):
         )
         fn.autocast_variant = variant
     return variant
+
+
+def variant_from_archive(base_fn, namespace: str, name: str):
+    """The variant an archive calls ``namespace::name``, defined for the base
+    class's OpaqueFunction; None when the base's variant would have another name."""
+    variant = variant_of(base_fn)
+    return variant if (variant.namespace, variant.name) == (namespace, name) else None

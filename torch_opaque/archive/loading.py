@@ -14,6 +14,7 @@ import torch
 
 from ..errors import ArchiveError, OpNotAllowedError
 from ..ops import is_opaque_triple, schema_or_none
+from .._impl import autocast_variant
 from .._impl import function as F
 from .._impl.schema import schema_arguments, specs_from_values
 from . import stored as S
@@ -201,6 +202,9 @@ def _register_from_module(op_entry: OpEntry, missing: list, description: str) ->
     ns, name, module_name = op_entry.namespace, op_entry.name, op_entry.module
     module = importlib.import_module(module_name)
     fn = F.function_for_op(ns, name)
+    base_qualname, _, last = (op_entry.cls or "").rpartition(".")
+    if fn is None and last == autocast_variant.QUALNAME_PART:
+        fn = _autocast_variant(module, base_qualname, op_entry, description)
     if fn is None:
         cls = _resolve_class(module, op_entry.cls)
         if not (isinstance(cls, type) and issubclass(cls, torch.autograd.Function)):
@@ -221,6 +225,46 @@ def _register_from_module(op_entry: OpEntry, missing: list, description: str) ->
         _python_overload(fn, ov, description)
     for ov in missing:
         _define_python_overload(fn, ov, description)
+
+
+def _registered_variant(op_entry: OpEntry):
+    """The autocast variant the archive calls, when its base class is an op of this
+    process already (Note [Autocast in the call]); None otherwise."""
+    suffix = autocast_variant.SUFFIX
+    if not ((op_entry.cls or "").endswith("." + autocast_variant.QUALNAME_PART)
+            and op_entry.name.endswith(suffix)):
+        return None
+    base = F.function_for_op(op_entry.namespace, op_entry.name[: -len(suffix)])
+    if base is None:
+        return None
+    return autocast_variant.variant_from_archive(base, op_entry.namespace, op_entry.name)
+
+
+def _autocast_variant(module, base_qualname: str, op_entry: OpEntry, description: str):
+    """Note [Autocast in the call]: the autocast variant of a class the module
+    defines, with the op name the archive calls."""
+    ns, name = op_entry.namespace, op_entry.name
+    base = _resolve_class(module, base_qualname)
+    where = f"{op_entry.module}.{base_qualname}"
+    if not (isinstance(base, type) and issubclass(base, torch.autograd.Function)):
+        raise ArchiveError(
+            f"torch_opaque.load: {description} needs {ns}::{name}, the autocast variant of class "
+            f"{where}; the module was imported but has no such autograd.Function."
+        )
+    base_fn = F.lookup(base)
+    if base_fn is None and name.endswith(autocast_variant.SUFFIX):
+        F.wrap(base, name=name[: -len(autocast_variant.SUFFIX)], namespace=ns, _patch_apply=False)
+        base_fn = F.lookup(base)
+    variant = autocast_variant.variant_from_archive(base_fn, ns, name) if base_fn else None
+    if variant is None:
+        got = f"{base_fn.namespace}::{base_fn.name}" if base_fn else "not an op"
+        raise ArchiveError(
+            f"torch_opaque.load: {description} calls {ns}::{name}, the autocast variant of "
+            f"{where}, but that class is {got} in this process, whose variant has another name. "
+            f"Wrap {base_qualname} with the name it had when the program was saved "
+            f"({name[: -len(autocast_variant.SUFFIX)]!r})."
+        )
+    return variant
 
 
 def _missing_message(description: str, path_repr: str, problems: list, allow: list) -> str:
@@ -281,7 +325,7 @@ def _plan(manifest: Manifest, path, description: str, allow: list, allow_all: bo
         if not missing:
             continue
         stored = all(ov.variants for ov in missing)
-        fn = F.function_for_op(ns, name)
+        fn = F.function_for_op(ns, name) or _registered_variant(op)
         if fn is not None:
             for ov in missing:  # refused before anything is imported or defined
                 _python_overload(fn, ov, description)
