@@ -36,6 +36,7 @@ run the body in its inputs' dtypes. So the state goes into the call:
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 from typing import Optional
 
@@ -165,8 +166,7 @@ def register(overload, lib) -> None:
 
     def kernel(*args, **kwargs):
         state = call_state(args)
-        guard = torch._C._ExcludeDispatchKeyGuard(_excluded())
-        with guard:
+        with torch._C._ExcludeDispatchKeyGuard(_excluded()):
             if state is None:  # autocast on, but for none of the call's devices
                 return op(*args, **kwargs)
             values = list(args) + [kwargs[a.name] for a in op._schema.arguments[len(args):]
@@ -183,11 +183,11 @@ def register(overload, lib) -> None:
         op.py_impl(dispatch_key)(kernel)  # the Python dispatcher's (AOTAutograd tracing)
 
 
+@functools.lru_cache(maxsize=None)
 def _excluded():
-    keys = torch._C.DispatchKeySet(getattr(torch._C.DispatchKey, next(iter(_KEYS.values()))))
-    for key in list(_KEYS.values())[1:]:
-        keys = keys | torch._C.DispatchKeySet(getattr(torch._C.DispatchKey, key))
-    return keys
+    """The Autocast keys of every device autocast knows, as one DispatchKeySet."""
+    keys = [torch._C.DispatchKeySet(getattr(torch._C.DispatchKey, k)) for k in _KEYS.values()]
+    return functools.reduce(lambda a, b: a | b, keys)
 
 
 def variant_of(fn):
