@@ -28,9 +28,12 @@ run the body in its inputs' dtypes. So the state goes into the call:
   state from ctx).
 * the variant's ops have no Autocast kernel; ``torch.func`` transforms
   (``jvp``/``vmap`` rules) are not carried over (autocast with them runs the
-  op's own kernels); in-place Functions keep their op (the state is not
-  recorded for them yet). Ops defined in C++ run their kernels under the
-  caller's autocast state in eager code only.
+  op's own kernels).
+* in-place Functions (``ctx.mark_dirty``) get an in-place variant: it writes
+  into the same arguments, and the Autocast kernel returns the op's other
+  outputs, as the op does (Note [In-place Functions]).
+* ops defined in C++ run their kernels under the caller's autocast state in
+  eager code only.
 """
 
 from __future__ import annotations
@@ -156,13 +159,12 @@ def variant_class(cls: type, setup_style: bool) -> type:
 def register(overload, lib) -> None:
     """The Autocast-key kernels of one overload of a Function (not of a variant)."""
     fn = overload.fn
-    is_variant = getattr(fn, "autocast_base", None) is not None
-    # in-place Functions do not record the state: Note [Autocast while tracing]
-    overload.fake_runner.checks_autocast = bool(fn.dirty) and not is_variant
-    if is_variant or fn.dirty or not _KEYS:
+    if getattr(fn, "autocast_base", None) is not None or not _KEYS:
         return
     op = overload.op
     qualified = f"{fn.name}.{overload.name}" if overload.overload else fn.name
+    # an in-place op returns the Function's other outputs (Note [In-place Functions])
+    dirty_outputs = {k for k, _ in overload.dirty}
 
     def kernel(*args, **kwargs):
         state = call_state(args)
@@ -172,6 +174,11 @@ def register(overload, lib) -> None:
             values = list(args) + [kwargs[a.name] for a in op._schema.arguments[len(args):]
                                    if a.name in kwargs]
             result = variant_of(fn).apply(*values, state)
+        if dirty_outputs:
+            outs = result if isinstance(result, (tuple, list)) else (result,)
+            result = [r for k, r in enumerate(outs) if k not in dirty_outputs]
+        if not op._schema.returns:
+            return None
         if len(op._schema.returns) > 1:
             return tuple(result)
         return result[0] if isinstance(result, (tuple, list)) else result

@@ -781,6 +781,8 @@ def define_autocast_variant(fn: OpaqueFunction, variant_cls: type, name: str) ->
         op_name = _free_name(fn.namespace, name)
         variant = OpaqueFunction(variant_cls, fn.namespace, op_name, explicit=True)
         variant.autocast_base = fn
+        # its forward wraps the user's, which marks the arguments dirty
+        variant.dirty, variant.dirty_pairs = fn.dirty, fn.dirty_pairs
         variant.autocast_class = variant_cls
         _BY_ID[id(variant_cls)] = variant
         _BY_OPNAME[(fn.namespace, op_name)] = variant

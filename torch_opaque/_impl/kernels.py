@@ -21,7 +21,6 @@ from ..errors import FakeForwardError, SchemaError, UnsupportedError
 from .bridge import BackwardChecks, ForwardChecks
 from .calls import CallSignature
 from .bridge import check_tensor_outputs  # noqa: F401 (re-exported)
-from . import autocast_check
 from . import fake_from_real
 from .tracing import dynamo_disabled
 
@@ -141,7 +140,6 @@ class FakeRunner(Runner):
     def __init__(self, *a, has_user_fake: bool, **k):
         super().__init__(*a, **k)
         self.has_user_fake = has_user_fake
-        self.checks_autocast = True  # Note [Autocast while tracing] (off for real subclass runs)
         self.guarded_forward = self._guard(self.forward)
         self.guarded_setup = self._guard(self.setup_context) if self.setup_context else None
 
@@ -152,10 +150,6 @@ class FakeRunner(Runner):
         args, kwargs, needs = self.signature.split_needs_input_grad(args, kwargs)
         if kwargs or len(args) != self.n_args:
             args = self.complete(args, kwargs)
-        if self.checks_autocast:
-            autocast = autocast_check.active_for(args)
-            if autocast:  # Note [Autocast while tracing]
-                autocast_check.warn_once(self.fn_name, self.fn_name, autocast)
         prev = torch.is_grad_enabled()
         torch._C._set_grad_enabled(False)
         try:

@@ -62,7 +62,6 @@ class SubclassRules:
         self.runner = FakeRunner(
             ov.runner.fn_name, fn.forward, fn.setup, ov.specs, ov.n_out, has_user_fake=True
         )
-        self.runner.checks_autocast = False  # real tensors: autocast applies as in eager
         self.bwd_runner = ov.bwd_runner
 
     def main(self, cls, func, types, args, kwargs):

@@ -35,7 +35,6 @@ import warnings
 
 import torch
 
-from .._impl import autocast_check
 from .._impl import sharding as _sharding
 
 _installed = False
@@ -120,19 +119,6 @@ def _compiling(tx) -> bool:
     (Note [Forward side effects] in _impl/side_effects.py)."""
     output = getattr(tx, "output", None)
     return not getattr(output, "export", False) and not torch.compiler.is_exporting()
-
-
-def _autocast(tx, fn, args, kwargs):
-    """The enabled autocast this call is traced under: a ``torch.autocast`` block
-    Dynamo is inside, or the thread's state for the arguments' devices."""
-    found = autocast_check.active_in_dynamo(tx)
-    if found:
-        return found
-    try:
-        examples = [_example(vt) for vt in _arg_trackers(fn, tx, args, kwargs)]
-    except Exception:  # (reported by the paths below)
-        return None
-    return autocast_check.active_for(examples)
 
 
 def _dtensor_without_rule(tx, fn, args, kwargs) -> bool:
@@ -225,14 +211,6 @@ def _routed_call_apply(original):
             if fn.explicit:
                 raise _refuse(fn, effect)
             _fall_back(fn, effect)
-            return original(self, tx, args, kwargs)
-        # Note [Autocast in the call] (_impl/autocast_variant.py); in-place
-        # Functions do not record it yet: Note [Autocast while tracing]
-        autocast = _autocast(tx, fn, args, kwargs) if fn.dirty else None
-        if autocast and fn.explicit:  # Note [Autocast while tracing] (_impl/autocast_check.py)
-            autocast_check.warn_once(fn.display_name, f"{fn.namespace}::{fn.name}", autocast)
-        elif autocast:  # this call only: the class stays an op elsewhere (export, eager)
-            autocast_check.warn_call_falls_back(fn.cls, autocast)
             return original(self, tx, args, kwargs)
         if fn.explicit:
             arg_vts = _arg_trackers(fn, tx, args, kwargs)
