@@ -25,9 +25,13 @@
 // Note [C++ jvp] in detail/jvp_finisher.h) and `batched_forward` (forward's
 // signature, run once per batch under vmap; without it the op runs once per
 // sample, Note [Per-sample batching] in csrc/per_sample_batching.cpp).
+// It also defines the op's autocast variant `myops::scaled_sin_autocast(...,
+// str autocast_state)`, which traced programs call to keep torch.autocast
+// (Note [Autocast in the call: C++ ops] in csrc/autocast_variant.cpp).
 
 #include <torch_opaque/context.h>
 #include <torch_opaque/detail/arg_types.h>
+#include <torch_opaque/detail/autocast_variant.h>
 #include <torch_opaque/detail/finishers.h>
 #include <torch_opaque/detail/jvp_finisher.h>
 #include <torch_opaque/gradient.h>
@@ -308,7 +312,9 @@ std::shared_ptr<OpaqueOp> def(const std::string& qualified_name,
   }
   d.differentiate_lists = true;
   d.per_sample_batching = true;
-  return define_op(std::move(d));
+  std::shared_ptr<OpaqueOp> op = define_op(std::move(d));
+  detail::define_autocast_variant(op);  // Note [Autocast in the call: C++ ops]
+  return op;
 }
 
 namespace detail {

@@ -1,0 +1,188 @@
+"""A C++ op follows the autocast state it was called under, in eager code,
+torch.export (``ep.module()``, ``run_decompositions``), torch.compile
+(aot_eager, inductor) and archives (Note [Autocast in the call: C++ ops] in
+csrc/autocast_variant.cpp): values, dtypes and gradients equal those of the
+same math as a stock autograd.Function called eagerly under autocast.
+
+The ops are tests/cpp/autocast_test_ops.cpp's: opaque_autocast_test::matmul
+(``x @ w``) and scaled_matmul (``(x @ w) * scale``, with a fake)."""
+
+import pathlib
+
+import pytest
+import torch
+
+import torch_opaque
+from support.processes import last_json, run_python
+
+LIB = pathlib.Path(__file__).resolve().parents[1] / "build" / "tests" / "cpp" / "libautocast_test_ops.so"
+AUTOCAST = "cpu:torch.bfloat16"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def ops():
+    assert LIB.exists(), f"{LIB} is missing: run scripts/dev.sh build first"
+    torch_opaque.load_library(LIB)
+    return torch.ops.opaque_autocast_test
+
+
+class StockMatMul(torch.autograd.Function):  # the C++ ops' math, as stock PyTorch runs it
+    @staticmethod
+    def forward(ctx, x, w, scale=None):
+        ctx.save_for_backward(x, w)
+        ctx.scale = scale
+        y = x @ w
+        return y if scale is None else y * scale
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w = ctx.saved_tensors
+        if ctx.scale is not None:
+            g = g * ctx.scale
+        gx, gw = g @ w.t().to(g.dtype), (x.t().to(g.dtype) @ g).to(w.dtype)
+        return (gx, gw) if ctx.scale is None else (gx, gw, None)
+
+
+class Net(torch.nn.Module):
+    def __init__(self, call, scaled=False, inside=True):
+        super().__init__()
+        torch.manual_seed(0)
+        self.call_op, self.scaled, self.inside = call, scaled, inside
+        self.w = torch.nn.Parameter(torch.randn(3, 4))
+
+    def body(self, x):
+        h = torch.nn.functional.linear(x, torch.eye(3))  # autocast: bfloat16 from here on
+        if self.scaled:
+            return self.call_op(h, self.w, 0.5) + 1
+        return self.call_op(h, self.w) + 1
+
+    def forward(self, x):
+        if self.inside:
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                return self.body(x)
+        return self.body(x)
+
+
+def nets(ops, scaled, inside=True):
+    op = ops.scaled_matmul if scaled else ops.matmul
+    return Net(StockMatMul.apply, scaled, inside), Net(op, scaled, inside)
+
+
+def step(model, x, run=None):
+    """Output and gradients (input, weight) of one forward/backward, autocast
+    entered around the call when the model does not enter it itself."""
+    model.zero_grad()
+    x = x.clone().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=not model.inside):
+        out = (run if run is not None else model)(x)
+    out.float().sum().backward()
+    return out, x.grad, model.w.grad
+
+
+def assert_same(got, want):
+    for g, w in zip(got, want):
+        assert g.dtype == w.dtype
+        torch.testing.assert_close(g, w, rtol=1e-2, atol=1e-2)
+
+
+def opaque_targets(gm):
+    return [str(n.target) for n in gm.graph.nodes
+            if n.op == "call_function" and str(n.target).startswith("opaque_autocast_test.")]
+
+
+SCALED = pytest.mark.parametrize("scaled", [False, True], ids=["matmul", "scaled_matmul_with_fake"])
+
+
+def test_the_variant_family_exists_with_the_state_last(ops):
+    assert str(ops.matmul_autocast.default._schema) == (
+        'opaque_autocast_test::matmul_autocast(Tensor x, Tensor w, str autocast_state="") -> Tensor'
+    )
+    assert hasattr(ops, "matmul_autocast_fwd") and hasattr(ops, "matmul_autocast_bwd")
+    key = torch._C.DispatchKey.AutocastCPU
+    assert torch._C._dispatch_has_kernel_for_dispatch_key("opaque_autocast_test::matmul", key)
+    assert not torch._C._dispatch_has_kernel_for_dispatch_key("opaque_autocast_test::matmul_autocast", key)
+
+
+@SCALED
+def test_eager_and_export_follow_autocast_as_stock(ops, scaled):
+    x = torch.randn(2, 3)
+    stock, net = nets(ops, scaled)
+    want = step(stock, x)
+    assert want[0].dtype == torch.bfloat16
+    assert_same(step(net, x), want)
+    ep = torch.export.export(net, (x,), strict=False)
+    assert_same(step(net, x, ep.module()), want)
+    decomposed = ep.run_decompositions()
+    name = "scaled_matmul" if scaled else "matmul"
+    # one opaque node, the variant, with the autocast state in its arguments
+    assert opaque_targets(decomposed.graph_module) == [f"opaque_autocast_test.{name}_autocast.default"]
+    (node,) = [n for n in decomposed.graph.nodes if "_autocast" in str(n.target)]
+    assert node.args[-1] == AUTOCAST
+    assert_same(step(net, x, decomposed.module()), want)
+
+
+@pytest.mark.parametrize("inside", [True, False], ids=["autocast_inside", "autocast_around"])
+def test_aot_eager_follows_autocast_as_stock(ops, inside):
+    x = torch.randn(2, 3)
+    stock, net = nets(ops, False, inside)
+    want = step(stock, x)
+    graphs = []
+
+    def backend(gm, example_inputs):
+        def compiler(g, _):
+            graphs.append(g)
+            return g
+
+        from functorch.compile import make_boxed_compiler
+        from torch._dynamo.backends.common import aot_autograd
+        return aot_autograd(fw_compiler=make_boxed_compiler(compiler),
+                            bw_compiler=make_boxed_compiler(compiler))(gm, example_inputs)
+
+    assert_same(step(net, x, torch.compile(net, backend=backend, fullgraph=True)), want)
+    fwd = opaque_targets(graphs[0])
+    assert fwd == ["opaque_autocast_test.matmul_autocast_fwd.default"], fwd
+
+
+@SCALED
+def test_inductor_follows_autocast_as_stock(ops, scaled):
+    x = torch.randn(2, 3)
+    stock, net = nets(ops, scaled)
+    want = step(stock, x)
+    assert_same(step(net, x, torch.compile(net, backend="inductor", fullgraph=True)), want)
+
+
+def test_no_autocast_keeps_the_plain_op(ops):
+    _, net = nets(ops, False, inside=False)
+    ep = torch.export.export(net, (torch.randn(2, 3),), strict=False)
+    assert opaque_targets(ep.run_decompositions().graph_module) == [
+        "opaque_autocast_test.matmul.default"]
+    assert net(torch.randn(2, 3)).dtype == torch.float32
+
+
+def test_a_state_that_is_not_one_is_refused(ops):
+    with pytest.raises(RuntimeError, match=r"opaque_autocast_test::matmul_autocast: autocast state "
+                       r"'cpu:torch.notatype' is not '<device type>:<dtype>' of a device autocast knows"):
+        ops.matmul_autocast(torch.randn(2, 3), torch.randn(3, 4), "cpu:torch.notatype")
+
+
+def test_archive_of_a_program_calling_the_variant_loads(ops, tmp_path):
+    """The saved program calls opaque_autocast_test::matmul_autocast; a fresh
+    process that loads the library runs it in bfloat16, outside any autocast."""
+    x = torch.randn(2, 3)
+    stock, net = nets(ops, False)
+    want = step(stock, x)[0]
+    decomposed = torch.export.export(net, (x,), strict=False).run_decompositions()
+    torch_opaque.save(decomposed, tmp_path / "autocast.pt2")
+    torch.save({"x": x, "want": want}, tmp_path / "ref.pt")
+    out = last_json(run_python(f"""
+        import json, torch, torch_opaque
+        torch_opaque.load_library({str(LIB)!r})
+        ep = torch_opaque.load({str(tmp_path / "autocast.pt2")!r})
+        ref = torch.load({str(tmp_path / "ref.pt")!r})
+        out = ep.module()(ref["x"])
+        ops = sorted(str(n.target) for n in ep.graph.nodes if "opaque_autocast_test" in str(n.target))
+        print(json.dumps({{"dtype": str(out.dtype), "ops": ops,
+                           "close": bool(torch.allclose(out.float(), ref["want"].float(), rtol=1e-2, atol=1e-2))}}))
+    """))
+    assert out == {"dtype": "torch.bfloat16", "ops": ["opaque_autocast_test.matmul_autocast.default"],
+                   "close": True}
