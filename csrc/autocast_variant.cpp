@@ -30,8 +30,9 @@
 //   the device's Autocast key back on (at::autocast::set_autocast_enabled).
 //   Traced graphs hold the variant's node, state included: one opaque node
 //   per call, with the dtypes of eager code.
-// * The variant has no Autocast kernel of its own and no jvp (forward-mode AD
-//   under autocast raises torch's error for it); per-sample batching is kept.
+// * The variant has no Autocast kernel of its own; it keeps the base's jvp
+//   (run under the state, without the state's tangent) and per-sample
+//   batching, so forward-mode AD and vmap under autocast work as in eager code.
 //   Archives call the variant by name: it exists once the library is loaded.
 //   Ops defined from Python (define_op without def<Op>) get nothing here:
 //   the Python front end registers its own Autocast kernels.
@@ -130,6 +131,24 @@ BoxedKernel with_state(BoxedKernel base, std::string variant_name) {
     std::optional<std::vector<bool>> needs = take_needs_input_grad();
     if (needs && !needs->empty()) needs->pop_back();  // the state's flag
     set_needs_input_grad(std::move(needs));
+    EnteredAutocast entered(entries);
+    base(schema, stack);
+  };
+}
+
+// The variant's `_jvp` kernel: the base's under the state, without the
+// state's tangent (the stack ends with the state, then the tangents).
+BoxedKernel jvp_with_state(BoxedKernel base, std::string variant_name) {
+  return [base = std::move(base), variant_name = std::move(variant_name)](
+             const c10::FunctionSchema& schema, torch::jit::Stack* stack) {
+    c10::List<std::optional<at::Tensor>> tangents = stack->back().toOptionalTensorList();
+    stack->pop_back();
+    const std::vector<AutocastEntry> entries =
+        parse_autocast_state(stack->back().toStringRef(), variant_name);
+    stack->pop_back();
+    c10::List<std::optional<at::Tensor>> without_state;
+    for (size_t i = 0; i + 1 < tangents.size(); ++i) without_state.push_back(tangents.get(i));
+    stack->emplace_back(std::move(without_state));
     EnteredAutocast entered(entries);
     base(schema, stack);
   };
@@ -274,6 +293,7 @@ std::shared_ptr<OpaqueOp> define_autocast_variant(const std::shared_ptr<OpaqueOp
   v.direct_backward = without_state_gradient(b.direct_backward);
   if (b.meta_forward) v.meta_forward = with_state(b.meta_forward, variant_name);
   if (b.batched_forward) v.batched_forward = with_state(b.batched_forward, variant_name);
+  if (b.jvp) v.jvp = jvp_with_state(b.jvp, variant_name);
   v.per_sample_batching = b.per_sample_batching;
   v.differentiate_lists = b.differentiate_lists;
   std::shared_ptr<OpaqueOp> variant;

@@ -165,24 +165,43 @@ def test_a_state_that_is_not_one_is_refused(ops):
         ops.matmul_autocast(torch.randn(2, 3), torch.randn(3, 4), "cpu:torch.notatype")
 
 
-def test_archive_of_a_program_calling_the_variant_loads(ops, tmp_path):
+@pytest.mark.parametrize("self_contained", [False, True], ids=["with_the_library", "self_contained"])
+def test_archive_of_a_program_calling_the_variant_loads(ops, tmp_path, self_contained):
     """The saved program calls opaque_autocast_test::matmul_autocast; a fresh
-    process that loads the library runs it in bfloat16, outside any autocast."""
+    process runs it in bfloat16, outside any autocast: with the library loaded,
+    or, self-contained, without it (the variant's kernels traced to ATen)."""
     x = torch.randn(2, 3)
     stock, net = nets(ops, False)
     want = step(stock, x)[0]
     decomposed = torch.export.export(net, (x,), strict=False).run_decompositions()
-    torch_opaque.save(decomposed, tmp_path / "autocast.pt2")
+    torch_opaque.save(decomposed, tmp_path / "autocast.pt2", self_contained=self_contained)
     torch.save({"x": x, "want": want}, tmp_path / "ref.pt")
+    load_library = "" if self_contained else f"torch_opaque.load_library({str(LIB)!r})"
     out = last_json(run_python(f"""
         import json, torch, torch_opaque
-        torch_opaque.load_library({str(LIB)!r})
+        {load_library}
         ep = torch_opaque.load({str(tmp_path / "autocast.pt2")!r})
         ref = torch.load({str(tmp_path / "ref.pt")!r})
         out = ep.module()(ref["x"])
-        ops = sorted(str(n.target) for n in ep.graph.nodes if "opaque_autocast_test" in str(n.target))
-        print(json.dumps({{"dtype": str(out.dtype), "ops": ops,
+        ops = sorted(str(n.target).split(".")[1] for n in ep.graph.nodes if "opaque_autocast_test" in str(n.target))
+        print(json.dumps({{"dtype": str(out.dtype), "ops": ops, "library": {str(LIB)!r} in torch.ops.loaded_libraries,
                            "close": bool(torch.allclose(out.float(), ref["want"].float(), rtol=1e-2, atol=1e-2))}}))
     """))
-    assert out == {"dtype": "torch.bfloat16", "ops": ["opaque_autocast_test.matmul_autocast.default"],
+    assert out == {"dtype": "torch.bfloat16", "ops": ["matmul_autocast"], "library": not self_contained,
                    "close": True}
+
+
+def test_forward_ad_and_vmap_under_autocast_follow_it(ops):
+    """The variant keeps the op's jvp and per-sample batching, run under the state."""
+    import torch.autograd.forward_ad as fwAD
+
+    torch.manual_seed(0)
+    x, w, tx, xs = torch.randn(2, 3), torch.randn(3, 4), torch.randn(2, 3), torch.randn(5, 2, 3)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        with fwAD.dual_level():
+            primal, tangent = fwAD.unpack_dual(ops.scaled_matmul(fwAD.make_dual(x, tx), w, 0.5))
+        want, want_tangent = (x @ w) * 0.5, (tx @ w) * 0.5
+        batched, want_batched = torch.func.vmap(lambda a: ops.matmul(a, w))(xs), xs @ w
+    for got, ref in ((primal, want), (tangent, want_tangent), (batched, want_batched)):
+        assert got.dtype == ref.dtype == torch.bfloat16
+        torch.testing.assert_close(got, ref, rtol=1e-2, atol=1e-2)

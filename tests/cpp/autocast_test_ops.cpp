@@ -24,12 +24,14 @@ struct Matmul {
   }
 };
 
-// The same with a float argument and a fake (a Meta kernel of its own; made
-// of ATen ops, it computes autocast's dtype under the variant's state too).
+// The same with a float argument, a fake (a Meta kernel of its own; made of
+// ATen ops, it computes autocast's dtype under the variant's state too) and a
+// jvp (forward-mode AD).
 struct ScaledMatmul {
   static at::Tensor forward(torch_opaque::Context& ctx, const at::Tensor& x, const at::Tensor& w,
                             double scale) {
     ctx.save_for_backward({x, w});
+    ctx.save_for_forward({x, w});
     ctx.saved_data["scale"] = scale;
     return at::matmul(x, w) * scale;
   }
@@ -43,6 +45,13 @@ struct ScaledMatmul {
     auto g = matmul_backward(saved[0], saved[1], grads[0] * ctx.saved_data["scale"].toDouble());
     g.emplace_back();  // scale
     return g;
+  }
+  static std::vector<at::Tensor> jvp(torch_opaque::Context& ctx, std::vector<at::Tensor> t) {
+    const auto& s = ctx.saved_tensors();
+    at::Tensor out = at::zeros_like(at::matmul(s[0], s[1]));
+    if (t[0].defined()) out = out + at::matmul(t[0], s[1]);
+    if (t[1].defined()) out = out + at::matmul(s[0], t[1]);
+    return {out * ctx.saved_data["scale"].toDouble()};
   }
 };
 

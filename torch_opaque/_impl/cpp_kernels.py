@@ -22,11 +22,13 @@ Example (``example::scaled_sin`` of examples/cpp, built by scripts/dev.sh)::
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import Optional, Sequence
 
 import torch
 
 from .. import _C
+from . import autocast_variant
 from .calls import CallSignature
 
 
@@ -41,12 +43,21 @@ class CppRunner:
         schema = torch._C._get_schema(self.fwd_name, self.overload)
         self.signature = CallSignature.of_schema(schema)
         self.n_out = len(schema.returns) - 1  # without the residual list
+        # An autocast variant (Note [Autocast in the call: C++ ops]): its C++
+        # forward enters the state in at::autocast's thread-local state, which
+        # torch.export's pre-dispatch tracing does not see; entered here too,
+        # torch.autocast records it in the traced program.
+        args = schema.arguments
+        self.autocast_state = (name.endswith(autocast_variant.SUFFIX) and len(args) >= 2
+                               and args[-2].name == autocast_variant.STATE_ARG)
 
     def run(self, needs: Optional[Sequence[bool]], args: Sequence) -> tuple:
         needs = None if needs is None else [bool(n) for n in needs]
-        res, record = _C.call_kernel_below_autograd(
-            self.fwd_name, self.overload, (*args, needs)
-        )
+        state = autocast_variant.entered(args[-1]) if self.autocast_state else nullcontext()
+        with state:
+            res, record = _C.call_kernel_below_autograd(
+                self.fwd_name, self.overload, (*args, needs)
+            )
         return tuple(res[: self.n_out]), list(res[self.n_out]), record
 
 
