@@ -77,6 +77,12 @@ TEST(CppAutocast, VariantRunsUnderItsStateWithoutAutocastAround) {
   ASSERT_TRUE(x.grad().defined());
   at::Tensor g = torch::ones({2, 4}, at::kBFloat16);
   EXPECT_TRUE(torch::allclose(x.grad(), at::matmul(g, w.t().to(at::kBFloat16)).to(at::kFloat)));
+  // ';'-separated parts, one per device; the call's tensors are on the CPU
+  EXPECT_EQ(call_op("opaque_cpp_autocast_test::matmul_autocast",
+                    {x, w, std::string("cuda:torch.float16;cpu:torch.bfloat16")})
+                .scalar_type(),
+            at::kBFloat16);
+  EXPECT_FALSE(at::autocast::is_autocast_enabled(at::kCUDA));
   // an empty state is no autocast
   EXPECT_EQ(call_op("opaque_cpp_autocast_test::matmul_autocast", {x, w, std::string("")})
                 .scalar_type(),

@@ -32,8 +32,9 @@ run the body in its inputs' dtypes. So the state goes into the call:
 * in-place Functions (``ctx.mark_dirty``) get an in-place variant: it writes
   into the same arguments, and the Autocast kernel returns the op's other
   outputs, as the op does (Note [In-place Functions]).
-* ops defined in C++ run their kernels under the caller's autocast state in
-  eager code only.
+* ops defined in C++ (``TORCH_OPAQUE_DEF``) get the same from the C++ core:
+  a variant family and Autocast kernels defined with the op (Note [Autocast
+  in the call: C++ ops] in csrc/autocast_variant.cpp), the same state string.
 """
 
 from __future__ import annotations
