@@ -75,11 +75,9 @@ import contextlib, sys, warnings
 import torch, torch_opaque
 from conftest import op_calls
 
-MODE, CLS, PATH = sys.argv[1:4]
+MODE, CLS = sys.argv[1:3]
+PATHS = sys.argv[3].split(",")
 Stock = globals()[CLS]
-Fn = type(CLS, (Stock,), {})
-if MODE == "wrap":
-    torch_opaque.wrap(Fn)
 
 
 def run(model, x):
@@ -93,39 +91,44 @@ def run(model, x):
 x = torch.randn(3, 4)
 want_y, want_g = run(BitLinear(Stock), x)  # stock, eager
 warnings.filterwarnings("error", message="torch_opaque")  # under auto(): no fall-back
-with (torch_opaque.auto() if MODE == "auto" else contextlib.nullcontext()):
-    model = BitLinear(Fn)
-    if PATH == "export":
-        ep = torch.export.export(model, (x,))
-        name = torch_opaque.lookup(Fn).name
-        assert len(op_calls(ep, name)) == 1, ep.graph
-        y, g = run(ep.module(), x)  # the op's custom backward
-        torch.testing.assert_close(y, want_y)
-        torch.testing.assert_close(g, want_g)
-    elif PATH in ("aot_eager", "inductor", "eager_then_aot_eager"):
-        if PATH.startswith("eager_then_"):  # the op is defined by an eager call first
-            y, g = run(model, x)
+for PATH in PATHS:  # each path with a class of its own (its own op), Dynamo reset
+    torch._dynamo.reset()
+    Fn = type(CLS, (Stock,), {})
+    if MODE == "wrap":
+        torch_opaque.wrap(Fn)
+    with (torch_opaque.auto() if MODE == "auto" else contextlib.nullcontext()):
+        model = BitLinear(Fn)
+        if PATH == "export":
+            ep = torch.export.export(model, (x,))
+            name = torch_opaque.lookup(Fn).name
+            assert len(op_calls(ep, name)) == 1, ep.graph
+            y, g = run(ep.module(), x)  # the op's custom backward
             torch.testing.assert_close(y, want_y)
             torch.testing.assert_close(g, want_g)
-        y, g = run(torch.compile(model, backend=PATH.replace("eager_then_", "")), x)
-        torch.testing.assert_close(y, want_y)
-        torch.testing.assert_close(g, want_g)
-        assert torch_opaque.lookup(Fn).overloads, "the op was not called"
-    elif PATH == "onnx":
-        import numpy as np, onnxruntime, torch_opaque.onnx
-        proto = torch_opaque.onnx.export(model, (x,))
-        name = torch_opaque.lookup(Fn).name
-        assert [n.op_type for n in proto.graph.node].count(name) == 1, proto.graph.node
-        sess = onnxruntime.InferenceSession(proto.SerializeToString())
-        (y,) = sess.run(None, {sess.get_inputs()[0].name: x.numpy()})
-        np.testing.assert_allclose(y, want_y.numpy(), rtol=1e-5, atol=1e-5)
-print("OK")
+        elif PATH in ("aot_eager", "inductor", "eager_then_aot_eager"):
+            if PATH.startswith("eager_then_"):  # the op is defined by an eager call first
+                y, g = run(model, x)
+                torch.testing.assert_close(y, want_y)
+                torch.testing.assert_close(g, want_g)
+            y, g = run(torch.compile(model, backend=PATH.replace("eager_then_", "")), x)
+            torch.testing.assert_close(y, want_y)
+            torch.testing.assert_close(g, want_g)
+            assert torch_opaque.lookup(Fn).overloads, "the op was not called"
+        elif PATH == "onnx":
+            import numpy as np, onnxruntime, torch_opaque.onnx
+            proto = torch_opaque.onnx.export(model, (x,))
+            name = torch_opaque.lookup(Fn).name
+            assert [n.op_type for n in proto.graph.node].count(name) == 1, proto.graph.node
+            sess = onnxruntime.InferenceSession(proto.SerializeToString())
+            (y,) = sess.run(None, {sess.get_inputs()[0].name: x.numpy()})
+            np.testing.assert_allclose(y, want_y.numpy(), rtol=1e-5, atol=1e-5)
+    print("OK", PATH, flush=True)
 '''
 
 
-def _child(mode, cls, path):
+def _child(mode, cls, paths):
     code = FUNCTIONS + textwrap.dedent(CHILD)
-    return run_python(code, args=(mode, cls, path), with_fixtures=True)
+    return run_python(code, args=(mode, cls, ",".join(paths)), with_fixtures=True)
 
 
 def _fresh(C):
@@ -145,15 +148,20 @@ def test_eager_calls_match_stock(cls):
     torch.testing.assert_close(b.weight.grad, a.weight.grad)
 
 
-@pytest.mark.parametrize("path", ["export", "aot_eager", "eager_then_aot_eager", "inductor", "onnx"])
+PATHS = ["export", "aot_eager", "eager_then_aot_eager", "inductor", "onnx"]
+
+
 @pytest.mark.parametrize("mode", ["wrap", "auto"])
 @pytest.mark.parametrize("cls", ["WeightQuant", "WeightQuantHelper"])
-def test_traced_compiled_forward_matches_stock(cls, mode, path):
-    if cls == "WeightQuantHelper" and (path, mode) in (("inductor", "auto"), ("eager_then_aot_eager", "auto")):
-        pytest.skip("covered by the wrap case: fewer child processes keep the file fast")
-    r = _child(mode, cls, path)
-    assert r.returncode == 0 and r.stdout.strip().endswith("OK"), (
-        f"rc={r.returncode}\n{r.stdout[-3000:]}\n{r.stderr[-6000:]}"
+def test_traced_compiled_forward_matches_stock(cls, mode):
+    # one child process per class and mode, running every path (each with its own op)
+    paths = PATHS
+    if cls == "WeightQuantHelper" and mode == "auto":  # covered by the wrap case
+        paths = [p for p in PATHS if p not in ("inductor", "eager_then_aot_eager")]
+    r = _child(mode, cls, paths)
+    done = [line.split()[1] for line in r.stdout.splitlines() if line.startswith("OK ")]
+    assert r.returncode == 0 and done == paths, (
+        f"rc={r.returncode}, paths done: {done}\n{r.stdout[-3000:]}\n{r.stderr[-6000:]}"
     )
 
 

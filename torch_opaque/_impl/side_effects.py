@@ -142,9 +142,14 @@ def _items(v):
 
 
 def _attrs(t) -> tuple:
-    """A tensor's Python attributes (name, identity of value)."""
+    """A tensor's Python attributes (name, identity of value), less Dynamo's
+    own marks: a ``torch.compile``d body that Dynamo runs marks the parameters
+    it was given (``_dynamo_static_input_type``), which is not the user's effect."""
     d = getattr(t, "__dict__", None) or {}
-    return tuple((k, id(x)) for k, x in d.items())
+    return tuple((k, id(x)) for k, x in d.items() if not k.startswith(_DYNAMO_MARK))
+
+
+_DYNAMO_MARK = "_dynamo_"
 
 
 def _names(code) -> set:
@@ -212,10 +217,10 @@ class Watch:
             if type(o) not in (torch.Tensor, torch.nn.Parameter) or id(o) in inputs:
                 continue  # (an input returned: its attributes are checked above;
                 # a subclass may keep its own state in __dict__)
-            d = getattr(o, "__dict__", None)
+            d = [name for name in (getattr(o, "__dict__", None) or ()) if not name.startswith(_DYNAMO_MARK)]
             if d:
                 where = "its output" if len(outs) == 1 else f"its output {k}"
-                return f"sets a Python attribute on {where} (.{next(iter(d))})"
+                return f"sets a Python attribute on {where} (.{d[0]})"
         return None
 
 
