@@ -34,6 +34,10 @@
 //   (run under the state, without the state's tangent) and per-sample
 //   batching, so forward-mode AD and vmap under autocast work as in eager code.
 //   Archives call the variant by name: it exists once the library is loaded.
+// * Debug mode (Note [Debug mode] in fake_checks.h) does not compare a fake
+//   with a forward that runs under autocast (runs_under_autocast): its meta
+//   copies have no Autocast key, so the fake would give the inputs' dtypes
+//   (bfloat16 forward, float32 fake) and the check would blame a right fake.
 //   Ops defined from Python (define_op without def<Op>) get nothing here:
 //   the Python front end registers its own Autocast kernels.
 #include <torch_opaque/detail/autocast_variant.h>
@@ -275,6 +279,28 @@ std::optional<std::string> autocast_state_of_call(c10::ArrayRef<c10::IValue> arg
     state += (state.empty() ? "" : ";") + name + ":" + it->first;
   }
   return state;
+}
+
+bool runs_under_autocast(const c10::FunctionSchema& fwd_schema, c10::ArrayRef<c10::IValue> args) {
+  const auto& params = fwd_schema.arguments();  // ..., autocast_state, needs_input_grad
+  if (!args.empty() && params.size() == args.size() + 1 &&
+      params[args.size() - 1].name() == "autocast_state" && args.back().isString() &&
+      !args.back().toStringRef().empty()) {
+    return true;
+  }
+  auto on = [](const at::Tensor& t) {
+    return t.defined() && autocast_device(t.device().type()) &&
+           at::autocast::is_autocast_enabled(t.device().type());
+  };
+  for (const c10::IValue& v : args) {
+    if (v.isTensor() && on(v.toTensor())) return true;
+    if (v.isTensorList()) {
+      for (const at::Tensor& t : v.toTensorList().vec()) {
+        if (on(t)) return true;
+      }
+    }
+  }
+  return false;
 }
 
 std::shared_ptr<OpaqueOp> define_autocast_variant(const std::shared_ptr<OpaqueOp>& base) {

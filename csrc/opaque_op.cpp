@@ -1,3 +1,4 @@
+#include <torch_opaque/detail/autocast_variant.h>
 #include <torch_opaque/detail/finishers.h>
 #include <torch_opaque/fake_checks.h>
 #include <torch_opaque/opaque_op.h>
@@ -92,7 +93,8 @@ void call_forward_checked(const std::string& op_name, const BoxedKernel& fn,
                           const BoxedKernel& fake, const c10::FunctionSchema& fwd_schema,
                           torch::jit::Stack* stack) {
   const size_t n_args = fwd_schema.arguments().size() - 1;  // without needs_input_grad
-  if (!fake || !debug_enabled() || !plain_values(torch::jit::last(*stack, n_args + 1))) {
+  if (!fake || !debug_enabled() || !plain_values(torch::jit::last(*stack, n_args + 1)) ||
+      detail::runs_under_autocast(fwd_schema, torch::jit::last(*stack, n_args + 1).slice(0, n_args))) {
     call_forward(fn, fwd_schema, stack);
     return;
   }

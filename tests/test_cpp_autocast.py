@@ -205,3 +205,19 @@ def test_forward_ad_and_vmap_under_autocast_follow_it(ops):
     for got, ref in ((primal, want), (tangent, want_tangent), (batched, want_batched)):
         assert got.dtype == ref.dtype == torch.bfloat16
         torch.testing.assert_close(got, ref, rtol=1e-2, atol=1e-2)
+
+
+def test_debug_mode_does_not_blame_the_fake_under_autocast(ops):
+    """Its meta copies do not autocast, so the check is skipped there; outside
+    autocast it still runs (and passes: the fake is right)."""
+    x, w = torch.randn(2, 3), torch.randn(3, 4)
+    was = torch_opaque.debug_enabled()
+    torch_opaque.set_debug(True)
+    try:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            got, want = ops.scaled_matmul(x, w, 0.5), (x @ w) * 0.5
+        assert got.dtype == want.dtype == torch.bfloat16
+        torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2)
+        assert ops.scaled_matmul(x, w, 0.5).dtype == torch.float32
+    finally:
+        torch_opaque.set_debug(was)

@@ -38,6 +38,12 @@ std::vector<AutocastEntry> parse_autocast_state(const std::string& state,
 // front end writes it); nullopt when autocast is on for none of them.
 std::optional<std::string> autocast_state_of_call(c10::ArrayRef<c10::IValue> args);
 
+// Whether a `_fwd` call (`args` without needs_input_grad) runs its forward
+// under autocast: autocast on for a device of its tensors, or an autocast
+// variant's non-empty state. The debug check of fakes (Note [Debug mode] in
+// fake_checks.h) skips those calls: its meta copies do not autocast.
+bool runs_under_autocast(const c10::FunctionSchema& fwd_schema, c10::ArrayRef<c10::IValue> args);
+
 // Defines `base`'s variant family (`_autocast`, `_autocast_fwd`,
 // `_autocast_bwd`) and the Autocast kernels of `base`'s op. Called by def<Op>
 // right after define_op; the Python front end has its own (autocast_variant.py).
