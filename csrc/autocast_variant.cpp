@@ -327,9 +327,10 @@ std::shared_ptr<OpaqueOp> define_autocast_variant(const std::shared_ptr<OpaqueOp
     variant = define_op(std::move(v));
   } catch (const c10::Error& e) {
     TORCH_CHECK(false, "torch_opaque: ", base->qualified_name(),
-                " is defined, but not its autocast variant (Note [Autocast in the call: C++ "
-                "ops]), so the op would not follow torch.autocast in traced programs: ",
-                e.what_without_backtrace());
+                " is defined, but not its autocast variant ", variant_name,
+                " (Note [Autocast in the call: C++ ops]), so the op would not follow "
+                "torch.autocast in traced programs. Rename the op (or the other op named ",
+                variant_name, "). ", e.what_without_backtrace());
   }
   auto lib = std::make_unique<torch::Library>(torch::Library::FRAGMENT, b.ns, std::nullopt,
                                               __FILE__, __LINE__);

@@ -120,4 +120,20 @@ TEST(CppAutocast, VariantSchemaTakesTheStateLast) {
   EXPECT_FALSE(op.hasKernelForDispatchKey(c10::DispatchKey::AutocastCPU));
 }
 
+TEST(CppAutocast, VariantNameTakenIsAClearError) {
+  // an op already named like the variant of the next one
+  torch_opaque::def<AutocastMatmul>("opaque_cpp_autocast_test::taken_autocast", {"x", "w"});
+  std::string message = error_of([] {
+    torch_opaque::def<AutocastMatmul>("opaque_cpp_autocast_test::taken", {"x", "w"});
+  });
+  EXPECT_NE(message.find("opaque_cpp_autocast_test::taken is defined, but not its autocast "
+                         "variant opaque_cpp_autocast_test::taken_autocast"),
+            std::string::npos)
+      << message;
+  EXPECT_NE(message.find("Rename the op"), std::string::npos) << message;
+  EXPECT_NE(message.find("opaque_cpp_autocast_test::taken_autocast is already defined"),
+            std::string::npos)
+      << message;
+}
+
 } // namespace
