@@ -189,3 +189,38 @@ def test_table_entries_do_not_keep_a_dead_class_ops():
     assert ref() is None
     assert not any(str(op) == name for op in decomposition.select_decomp_table())
     assert not hasattr(torch.ops.opaque, "IiSiLUDies_fwd")
+
+
+def _normalized(code: str, names) -> list:
+    """Inductor's output without what differs between two compiles of the same
+    graph: comments, hashes, paths, kernel names derived from the op's name."""
+    import re
+
+    for name in names:
+        code = code.replace(name, "FN")
+    code = re.sub(r"#.*", "", code)
+    code = re.sub(r"/tmp/\S+", "", code)
+    code = re.sub(r"\b[a-z0-9]{20,}\b", "H", code)
+    return [line for line in code.splitlines() if line.strip()]
+
+
+def test_generated_code_equals_the_stock_functions(inputs):
+    """Issue #28: Inductor generates the same code for a wrapped Function as for
+    the stock one (benchmarks/bench_compiled.py measures the speed)."""
+    x, w = inputs
+    stock_cls = type("IiSame", (SiLUish,), {})
+    wrapped_cls = wrapped(SiLUish, "IiSameW")
+
+    def f_of(cls):
+        def f(x, w):
+            h = cls.apply(x @ w, 1.5)
+            return (cls.apply(h @ w, 0.5) * h).sum()
+
+        return f
+
+    want, stock_code = compiled_code(f_of(stock_cls), x, w, backend="inductor")
+    got, code = compiled_code(f_of(wrapped_cls), x, w, backend="inductor")
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)
+    name = torch_opaque.lookup(wrapped_cls).name
+    assert _normalized(code, [name, "IiSameW"]) == _normalized(stock_code, ["IiSame"])
