@@ -24,6 +24,21 @@ def test_manifest_archive_loads_in_a_fresh_process(tmp_path):
     assert "opaque_fixtures.inplaceops" in last_json(proc)["imported"]
 
 
+@pytest.mark.parametrize("net", [inplaceops.Net, inplaceops.AutocastNet], ids=["plain", "autocast"])
+def test_decomposed_program_loads_in_a_fresh_process(tmp_path, net):
+    # run_decompositions wraps each in-place call in an auto_functionalized node
+    x = torch.randn(2, 5)
+    ep = torch.export.export(net(), (x,)).run_decompositions()
+    assert any("auto_functionalized" in str(n.target) for n in ep.graph.nodes), ep.graph
+    torch_opaque.save(ep, tmp_path / "net.pt2")
+    want = net()(x.clone())
+    assert want.dtype == (torch.bfloat16 if net is inplaceops.AutocastNet else torch.float32)
+    torch.save({"x": x, "y": want}, tmp_path / "ref.pt")
+    opts = json.dumps({"allow": ["opaque_fixtures"]})
+    proc = run_script("load_and_run.py", [tmp_path / "net.pt2", opts, tmp_path / "ref.pt"], tmp_path, True)
+    assert "opaque_fixtures.inplaceops" in last_json(proc)["imported"]
+
+
 def test_manifest_names_the_dirty_pairs_and_the_mutable_schema(tmp_path):
     import zipfile
 

@@ -27,3 +27,13 @@ class Net(torch.nn.Module):
     def forward(self, x):
         h = x.sin()
         return scale_(h, 3.0) + x
+
+
+class AutocastNet(torch.nn.Module):
+    """The in-place call under autocast (Note [Autocast in the call]): a
+    decomposed program calls the op's in-place autocast variant."""
+
+    def forward(self, x):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            h = torch.nn.functional.linear(x, torch.eye(x.shape[-1]))  # bfloat16
+            return scale_(h, 3.0) + 1

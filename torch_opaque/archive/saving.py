@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from ..errors import ArchiveError
-from ..ops import opaque_nodes, schema_or_none
+from ..ops import opaque_info, opaque_nodes, schema_or_none
 from .._impl.function import function_for_op
 from .._impl.schema import schema_arguments
 from . import stored as S
@@ -41,11 +41,31 @@ def _graph_modules(ep) -> list:
     return [m for m in ep.graph_module.modules() if isinstance(m, torch.fx.GraphModule)]
 
 
+# The higher-order ops that functionalization wraps a mutating op's call in
+# (run_decompositions of a program calling an in-place op): the op is their
+# first argument.
+_FUNCTIONALIZED = ("auto_functionalized", "auto_functionalized_v2")
+
+
+def _calls(gm) -> list:
+    """(node, OpaqueInfo) of the opaque calls of a graph, those of in-place ops
+    inside ``auto_functionalized`` nodes included."""
+    calls = opaque_nodes(gm)
+    for node in gm.graph.nodes:
+        target = node.target
+        if (node.op == "call_function" and isinstance(target, torch._ops.HigherOrderOperator)
+                and target.name() in _FUNCTIONALIZED and node.args):
+            info = opaque_info(node.args[0])
+            if info is not None:
+                calls.append((node, info))
+    return calls
+
+
 def _collect(graph_modules, records: dict, count: bool) -> list:
     """Adds the opaque calls of these graphs to `records`; returns new op keys."""
     new = []
     for gm in graph_modules:
-        for node, info in opaque_nodes(gm):
+        for node, info in _calls(gm):
             key = (info.namespace, info.name)
             rec = records.get(key)
             if rec is None:
