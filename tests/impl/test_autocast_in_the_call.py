@@ -175,7 +175,7 @@ def test_no_autocast_keeps_the_plain_op():
 def test_a_state_that_is_not_one_is_refused():
     from torch_opaque._impl.autocast_variant import entered
 
-    with pytest.raises(ValueError, match="is not '<device type>:<dtype>'"):
+    with pytest.raises(ValueError, match="is not '<device type>:<dtype>'.*Pass the state the op's Autocast kernel records"):
         with entered("cpu:torch.notatype"):
             pass
 

@@ -54,7 +54,9 @@ QUALNAME_PART = "<autocast>"  # the variant class's qualname: <base qualname>.<a
 def _autocast_keys() -> dict:
     """device type -> its Autocast dispatch key name, for the devices autocast knows."""
     keys = {}
-    for device_type in ("cpu", "cuda", "xpu", "mps", "hpu", "mtia", "xla", "privateuseone"):
+    devices = ["cpu", "cuda", "xpu", "mps", "hpu", "mtia", "maia", "ipu", "xla", "privateuseone"]
+    devices.append(torch._C._get_privateuse1_backend_name())  # as csrc/autocast_variant.cpp names it
+    for device_type in dict.fromkeys(devices):
         try:
             if not torch._C._is_autocast_available(device_type):
                 continue
@@ -95,7 +97,10 @@ def entered(state: str):
             if device_type not in _KEYS or not isinstance(dtype, torch.dtype):
                 raise ValueError(
                     f"torch_opaque: autocast state {state!r} of an autocast variant call is not "
-                    f"'<device type>:<dtype>' of a device autocast knows."
+                    f"'<device type>:<dtype>' of a device autocast knows (as in "
+                    f"'cpu:torch.bfloat16', ';'-separated). Pass the state the op's Autocast "
+                    f"kernel records, or call the op without the '{SUFFIX}' suffix under "
+                    f"torch.autocast."
                 )
             stack.enter_context(torch.autocast(device_type, dtype=dtype))
         yield
@@ -204,10 +209,12 @@ def variant_of(fn):
     if variant is None:
         from . import function
 
-        variant = function.define_autocast_variant(
-            fn, variant_class(fn.cls, fn.setup_style), fn.name + SUFFIX
-        )
-        fn.autocast_variant = variant
+        cls = variant_class(fn.cls, fn.setup_style)  # (class creation: outside the lock)
+        with function._LOCK:  # two threads' first calls define one variant
+            variant = getattr(fn, "autocast_variant", None)
+            if variant is None:
+                variant = function.define_autocast_variant(fn, cls, fn.name + SUFFIX)
+                fn.autocast_variant = variant
     return variant
 
 
