@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import torch_opaque
+from support.autocast_steps import assert_same, step
 from support.processes import last_json, run_python
 
 LIB = pathlib.Path(__file__).resolve().parents[1] / "build" / "tests" / "cpp" / "libautocast_test_ops.so"
@@ -66,23 +67,6 @@ class Net(torch.nn.Module):
 def nets(ops, scaled, inside=True):
     op = ops.scaled_matmul if scaled else ops.matmul
     return Net(StockMatMul.apply, scaled, inside), Net(op, scaled, inside)
-
-
-def step(model, x, run=None):
-    """Output and gradients (input, weight) of one forward/backward, autocast
-    entered around the call when the model does not enter it itself."""
-    model.zero_grad()
-    x = x.clone().requires_grad_()
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=not model.inside):
-        out = (run if run is not None else model)(x)
-    out.float().sum().backward()
-    return out, x.grad, model.w.grad
-
-
-def assert_same(got, want):
-    for g, w in zip(got, want):
-        assert g.dtype == w.dtype
-        torch.testing.assert_close(g, w, rtol=1e-2, atol=1e-2)
 
 
 def opaque_targets(gm):

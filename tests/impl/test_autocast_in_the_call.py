@@ -12,6 +12,7 @@ import torch
 from torch.amp import custom_bwd, custom_fwd
 
 import torch_opaque
+from support.autocast_steps import assert_same, step
 
 
 class MatMul(torch.autograd.Function):  # undecorated: each op of the body autocasts
@@ -81,27 +82,6 @@ class Net(torch.nn.Module):
             with torch.autocast("cpu", dtype=torch.bfloat16):
                 return self.call(x)
         return self.call(x)
-
-
-def step(model, x, run=None):
-    """Output and gradients (input, weight) of one forward/backward, autocast
-    entered around the call when the model does not enter it itself."""
-    model.zero_grad()
-    x = x.clone().requires_grad_()
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=not model.inside):
-        out = (run if run is not None else model)(x)
-    out.float().sum().backward()
-    return out, x.grad, model.w.grad
-
-
-def assert_same(got, want):
-    assert len(got) == len(want)
-    for g, w in zip(got, want):
-        if w is None:
-            assert g is None
-            continue
-        assert g.dtype == w.dtype
-        torch.testing.assert_close(g, w, rtol=1e-2, atol=1e-2)
 
 
 FUNCTIONS = [MatMul, Float32MatMul, ScaledMatMul]
