@@ -237,21 +237,6 @@ def test_in_place_functions_follow_autocast_as_stock(cls):
     assert ops == [f"opaque.{name}_autocast"], ops  # one node, the state in the call
 
 
-_SAVED_MODULE = """
-import torch
-
-class MatMul(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, w):
-        ctx.save_for_backward(x, w)
-        return x @ w
-
-    @staticmethod
-    def backward(ctx, g):
-        x, w = ctx.saved_tensors
-        return g @ w.t().to(g.dtype), (x.t().to(g.dtype) @ g).to(w.dtype)
-"""
-
 _LOAD = """
 import sys, torch, torch_opaque
 ep = torch_opaque.load(sys.argv[1], allow=["autocast_saved_ops"])
@@ -265,7 +250,10 @@ def test_archives_of_autocast_calls_load_in_a_fresh_process(tmp_path, monkeypatc
     import subprocess
     import sys
 
-    (tmp_path / "autocast_saved_ops.py").write_text(_SAVED_MODULE)
+    import inspect
+
+    # MatMul in a module of its own, which the loading process may import
+    (tmp_path / "autocast_saved_ops.py").write_text("import torch\n\n\n" + inspect.getsource(MatMul))
     monkeypatch.syspath_prepend(str(tmp_path))
     import autocast_saved_ops
 
