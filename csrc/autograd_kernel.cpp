@@ -74,6 +74,15 @@ class OpaqueBackward final : public Node {
     return s;
   }
 
+  // Note [Raw saved tensors] (autograd_kernel.h).
+  std::vector<SavedVariable>& saved_variables() {
+    TORCH_CHECK(!released_, "Trying to backward through the graph a second time (or directly "
+                "access saved tensors after they have already been freed): the saved tensors "
+                "of ", name(), " were freed by the backward pass. Pass retain_graph=True to "
+                "backward to keep them.");
+    return saved_;
+  }
+
   variable_list apply(variable_list&& grads) override {
     TORCH_CHECK(!released_, "Trying to backward through ", name(),
                 " a second time (or to access its saved tensors after they were "
@@ -283,6 +292,12 @@ OpaqueNodeState opaque_node_state(Node& node, bool with_saved) {
   auto* n = dynamic_cast<OpaqueBackward*>(&node);
   TORCH_INTERNAL_ASSERT(n, "opaque_node_state: not a torch_opaque backward node");
   return n->introspect(with_saved);
+}
+
+std::vector<SavedVariable>& opaque_node_saved_variables(Node& node) {
+  auto* n = dynamic_cast<OpaqueBackward*>(&node);
+  TORCH_INTERNAL_ASSERT(n, "opaque_node_saved_variables: not a torch_opaque backward node");
+  return n->saved_variables();
 }
 
 void AutogradKernel::operator()(const c10::OperatorHandle& handle,

@@ -7,6 +7,7 @@
 #include <ATen/core/boxing/KernelFunction.h>
 
 #include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/saved_variable.h>
 
 #include <memory>
 #include <string>
@@ -67,5 +68,17 @@ const std::type_info& opaque_backward_type();
 // What `node` (of opaque_backward_type()) holds; `saved` stays empty unless
 // `with_saved` (then a node whose saved tensors were freed raises).
 OpaqueNodeState opaque_node_state(torch::autograd::Node& node, bool with_saved);
+
+// Note [Raw saved tensors]
+// A stock node's `_raw_saved_tensors` gives its SavedVariables themselves
+// (torch._C._autograd.SavedTensor), so code can `register_hooks(pack,
+// unpack)` on one saved tensor after the forward ran: the pack hook runs at
+// once, the unpack hook whenever the tensor is unpacked (the backward, or
+// `saved_tensors`). The op's backward node saves its tensors as
+// SavedVariables (Note [Opaque backward node]), so these are the same
+// objects, with the same checks (hooks set twice, a None saved). A node whose
+// saved tensors were freed by a backward pass refuses with torch's message.
+std::vector<torch::autograd::SavedVariable>& opaque_node_saved_variables(
+    torch::autograd::Node& node);
 
 } // namespace torch_opaque::detail

@@ -2,7 +2,7 @@
 // introspection] (csrc/autograd_kernel.h). torch wraps C++ autograd nodes in
 // the Python type registered for their C++ type (registerCppFunction); this
 // one adds what a stock Function's grad_fn (its ctx) shows: saved_tensors,
-// needs_input_grad, _forward_cls and the attributes forward set on ctx, all
+// _raw_saved_tensors, needs_input_grad, _forward_cls and the attributes forward set on ctx, all
 // read-only. torch_opaque/_impl/grad_fn.py finds the Function and decodes
 // encoded ctx state.
 
@@ -16,6 +16,8 @@
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/jit/python/pybind_utils.h>
+
+#include <algorithm>
 
 namespace py = pybind11;
 
@@ -56,6 +58,25 @@ py::tuple ctx_view(PyObject* self, bool with_saved) {
 PyObject* saved_tensors(PyObject* self, void*) {
   HANDLE_TH_ERRORS
   return py::object(ctx_view(self, /*with_saved=*/true)[0]).release().ptr();
+  END_HANDLE_TH_ERRORS
+}
+
+// Note [Raw saved tensors] (autograd_kernel.h): torch's own SavedTensor
+// objects, each keeping the node's Python object (hence the node) alive.
+PyObject* raw_saved_tensors(PyObject* self, void*) {
+  HANDLE_TH_ERRORS
+  auto& saved = detail::opaque_node_saved_variables(*reinterpret_cast<THPCppFunction*>(self)->cdata);
+  // the explicitly saved ones (tensor attributes of ctx encoded among them follow)
+  const detail::OpaqueNodeState s = state_of(self, false);
+  size_t n = saved.size();
+  if (!eager_ctx_attributes(s.eager_state) && !s.state.empty()) {
+    n = std::min(n, helpers().attr("explicit_count")(s.state).cast<size_t>());
+  }
+  py::tuple t(n);
+  for (size_t i = 0; i < n; ++i) {
+    t[i] = py::cast(saved[i], py::return_value_policy::reference_internal, py::handle(self));
+  }
+  return t.release().ptr();
   END_HANDLE_TH_ERRORS
 }
 
@@ -104,6 +125,9 @@ PyGetSetDef properties[] = {
     THP_FUNCTION_DEFAULT_PROPERTIES,
     {"saved_tensors", saved_tensors, nullptr,
      "The tensors forward saved with ctx.save_for_backward (read-only).", nullptr},
+    {"_raw_saved_tensors", raw_saved_tensors, nullptr,
+     "The saved tensors as torch._C._autograd.SavedTensor objects, for register_hooks "
+     "(read-only).", nullptr},
     {"needs_input_grad", needs_input_grad, nullptr,
      "ctx.needs_input_grad of the forward call (read-only).", nullptr},
     {"_forward_cls", forward_cls, nullptr,

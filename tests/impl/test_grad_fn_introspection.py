@@ -133,3 +133,96 @@ def test_cpp_op_node(example_ops):
     assert fn._forward_cls is None
     assert fn.needs_input_grad[0] is True
     assert all(t is None or isinstance(t, torch.Tensor) for t in fn.saved_tensors)
+
+
+# ---- _raw_saved_tensors and register_hooks (Note [Raw saved tensors] in csrc/autograd_kernel.h) ----
+
+
+class Square(torch.autograd.Function):
+    """Saves its input and a tensor attribute (which stock does not list as saved)."""
+
+    @staticmethod
+    def forward(ctx, x, scale):
+        ctx.save_for_backward(x)
+        ctx.scale_t = scale * 1
+        return x * x * scale
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        return 2 * x * g * ctx.scale_t, None
+
+
+def _square_variants():
+    return {
+        "stock": (Square, False),
+        "wrap": (torch_opaque.wrap(type("Square", (Square,), {})), False),
+        "auto": (type("Square", (Square,), {}), True),
+    }
+
+
+def _hooked_run(cls, under_auto):
+    """What a user of saved-tensor hooks sees: the raw objects, the hooks'
+    calls and the gradient the unpack hook's tensor gives, for two calls."""
+    seen = []
+    for step in range(2):  # the first eager call is special (Note [First call runs forward once])
+        x = torch.tensor([0.5, -1.0, 2.0], requires_grad=True)
+        if under_auto:
+            with torch_opaque.auto():
+                y = cls.apply(x, torch.tensor(3.0))
+        else:
+            y = cls.apply(x, torch.tensor(3.0))
+        fn = y.grad_fn
+        raw = fn._raw_saved_tensors
+        seen.append([type(r) for r in raw])
+
+        def pack(t):
+            seen.append(("pack", t.tolist()))
+            return t.detach().clone()
+
+        def unpack(p):
+            seen.append(("unpack", p.tolist()))
+            return p * 2  # the backward sees the tensor the unpack hook gives
+
+        raw[0].register_hooks(pack, unpack)
+        with pytest.raises(RuntimeError, match="already been set"):
+            raw[0].register_hooks(pack, unpack)
+        seen.append(("saved", [t.tolist() for t in fn.saved_tensors]))
+        y.sum().backward()
+        seen.append(("grad", x.grad.tolist()))
+        with pytest.raises(RuntimeError, match="freed"):
+            fn._raw_saved_tensors
+    return seen
+
+
+@pytest.mark.parametrize("label", ["wrap", "auto"])
+def test_raw_saved_tensors_take_hooks_like_stock(label):
+    variants = _square_variants()
+    expected = _hooked_run(*variants["stock"])
+    assert expected[0] == [torch._C._autograd.SavedTensor]
+    assert ("grad", [6.0, -12.0, 24.0]) in expected  # 2 * (2x) * 3, x = [0.5, -1, 2]
+    assert _hooked_run(*variants[label]) == expected
+
+
+def test_raw_saved_tensor_of_none_refuses_hooks_like_stock():
+    class SavesNone(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            ctx.save_for_backward(None, x)
+            return x * 2
+
+        @staticmethod
+        def backward(ctx, g):
+            return g * 2
+
+    def message(cls):
+        y = cls.apply(torch.ones(2, requires_grad=True))
+        y = cls.apply(torch.ones(2, requires_grad=True))
+        raw = y.grad_fn._raw_saved_tensors
+        assert len(raw) == 2
+        with pytest.raises(RuntimeError) as info:
+            raw[0].register_hooks(lambda t: t, lambda t: t)
+        return str(info.value).splitlines()[0]
+
+    expected = message(SavesNone)
+    assert message(torch_opaque.wrap(type("SavesNone", (SavesNone,), {}))) == expected

@@ -171,13 +171,18 @@ def _decode(v, saved, ints):
     return v
 
 
-def decode_state(state: str, saved, ints) -> tuple:
-    """(number of explicitly saved tensors, attributes) from encode_state's string."""
+def parsed_state(state: str) -> tuple:
+    """(number of explicitly saved tensors, encoded attribute pairs) of encode_state's string."""
     parsed = _DECODE_CACHE.get(state)
     if parsed is None:
         parsed = ast.literal_eval(state)
         if len(_DECODE_CACHE) > 4096:
             _DECODE_CACHE.clear()
         _DECODE_CACHE[state] = parsed
-    n_explicit, pairs = parsed
+    return parsed
+
+
+def decode_state(state: str, saved, ints) -> tuple:
+    """(number of explicitly saved tensors, attributes) from encode_state's string."""
+    n_explicit, pairs = parsed_state(state)
     return n_explicit, {k: _decode(v, saved, ints) for k, v in pairs}

@@ -46,3 +46,12 @@ def decode(namespace: str, name: str, overload: str, state: str, saved: tuple, s
     if ov is None:
         return saved, None
     return ov.bwd_runner.decode_ctx(state, saved, list(state_ints))
+
+
+
+def explicit_count(state: str) -> int:
+    """How many of a node's saved tensors forward saved with save_for_backward
+    (the tensor attributes of ctx, encoded in `state`, follow them)."""
+    from .context import parsed_state
+
+    return int(parsed_state(state)[0])
