@@ -11,7 +11,7 @@ carries at all is a SchemaError on the first call that says what to fix."""
 
 import json
 import warnings
-from typing import Optional
+from typing import Callable, Optional, Union
 
 import pytest
 import torch
@@ -399,3 +399,167 @@ def test_archive_of_the_overload_from_values_loads_in_a_fresh_process(tmp_path):
     x = _x()
     torch.testing.assert_close(torch.tensor(out), torch.heaviside(x, torch.tensor(0.0)))
     torch.testing.assert_close(torch.tensor(grad), 1 / (100 * x.abs() + 1) ** 2)
+
+
+# ---- Union hints next to a callable (sinabs' spiking layers) ------------------------------
+
+
+def _heaviside_surrogate(v_mem, threshold):
+    return torch.exp(-((v_mem - threshold) ** 2))
+
+
+class MultiSpike(torch.autograd.Function):
+    """sinabs.activation.spike_generation.MultiSpike, as sinabs writes it: the
+    threshold is a float or a tensor, the surrogate gradient a callable."""
+
+    @staticmethod
+    def forward(
+        ctx,
+        v_mem: torch.Tensor,
+        spike_threshold: Union[float, torch.Tensor],
+        surrogate_grad_fn: Callable,
+    ):
+        ctx.save_for_backward(v_mem.clone())
+        ctx.spike_threshold = spike_threshold
+        ctx.surrogate_grad_fn = surrogate_grad_fn
+        return torch.div(v_mem, spike_threshold, rounding_mode="trunc").clamp(min=0)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        (v_mem,) = ctx.saved_tensors
+        return grad_output * ctx.surrogate_grad_fn(v_mem, ctx.spike_threshold), None, None
+
+
+class ThresholdSpike(torch.autograd.Function):
+    """The same threshold hint, without the callable: every value it names has a schema."""
+
+    @staticmethod
+    def forward(ctx, v_mem: torch.Tensor, spike_threshold: Union[float, torch.Tensor]):
+        ctx.save_for_backward(v_mem)
+        ctx.spike_threshold = spike_threshold
+        return (v_mem >= spike_threshold).to(v_mem.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        (v_mem,) = ctx.saved_tensors
+        return grad_output * _heaviside_surrogate(v_mem, ctx.spike_threshold), None
+
+
+def _spike_grads(cls, *extra):
+    x = _x().requires_grad_()
+    out = cls.apply(x, *extra)
+    (g,) = torch.autograd.grad(out.sum(), x)
+    return out.detach(), g
+
+
+@pytest.mark.parametrize("threshold", [torch.tensor(0.25), 0.25], ids=["0dim_tensor", "float"])
+@pytest.mark.parametrize("mode", MODES)
+def test_union_hint_takes_each_of_its_kinds(mode, threshold):
+    ref = _spike_grads(ThresholdSpike, threshold)
+    cls = _fresh(ThresholdSpike, mode)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with _Run(mode) as run:
+            got = _spike_grads(cls, threshold)
+            ep = torch.export.export(_Apply(cls), (_x(), threshold))
+    assert _ours(caught) == []
+    torch.testing.assert_close(got, ref, rtol=0, atol=0)
+    fn = torch_opaque.lookup(cls)
+    token = "Tensor_Tensor" if isinstance(threshold, torch.Tensor) else "Tensor_float"
+    assert set(fn.overloads) == {token}
+    if run.report is not None:
+        assert cls in run.report.ops and not run.report.fallbacks
+    assert [n.target._overloadname for n in op_calls(ep, fn.name)] == [token]
+    torch.testing.assert_close(_grads_of(lambda x: ep.module()(x, threshold))[0], ref[0])
+
+
+class _Apply(torch.nn.Module):
+    def __init__(self, cls):
+        super().__init__()
+        self.cls = cls
+
+    def forward(self, x, threshold):
+        return self.cls.apply(x, threshold)
+
+
+def test_union_hint_next_to_a_callable_falls_back_naming_the_callable_under_auto():
+    threshold = torch.tensor(0.5)
+    ref = _spike_grads(MultiSpike, threshold, _heaviside_surrogate)
+    cls = _fresh(MultiSpike, "auto")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with torch_opaque.auto() as report:
+            got = _spike_grads(cls, threshold, _heaviside_surrogate)
+    torch.testing.assert_close(got, ref, rtol=0, atol=0)
+    (warning,) = _ours(caught)
+    assert "argument 'surrogate_grad_fn' has type function, which an operator schema cannot carry" in warning
+    assert "spike_threshold" not in warning and "Union" not in warning
+    assert "surrogate_grad_fn" in report.fallbacks[cls]
+
+
+def test_union_hint_next_to_a_callable_is_refused_naming_the_callable_under_wrap():
+    cls = _fresh(MultiSpike, "wrap")  # (the Union hint is no schema: nothing refused here)
+    with pytest.raises(SchemaError) as info:
+        cls.apply(_x(), torch.tensor(0.5), _heaviside_surrogate)
+    msg = str(info.value)
+    assert "argument 'surrogate_grad_fn' has type function, which an operator schema cannot carry" in msg
+    assert "spike_threshold" not in msg and "Union" not in msg
+
+
+def test_callable_hint_before_a_union_is_refused_when_wrapping():
+    class CallableFirst(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, v_mem: torch.Tensor, fn: Callable, threshold: Union[float, torch.Tensor]):
+            return v_mem * 1
+
+        @staticmethod
+        def backward(ctx, g):
+            return g, None, None
+
+    with pytest.raises(SchemaError) as info:
+        torch_opaque.wrap(CallableFirst)
+    msg = str(info.value)
+    assert "argument 'fn' is annotated as typing.Callable, which an operator schema cannot carry" in msg
+    assert "threshold" not in msg
+
+
+class UnhintedSurrogate(torch.autograd.Function):
+    """Hints on the tensors only: the schema comes from the values."""
+
+    @staticmethod
+    def forward(ctx, v_mem: torch.Tensor, spike_threshold: float, surrogate_grad_fn):
+        ctx.save_for_backward(v_mem)
+        ctx.spike_threshold, ctx.fn = spike_threshold, surrogate_grad_fn
+        return (v_mem >= spike_threshold).to(v_mem.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        (v_mem,) = ctx.saved_tensors
+        return grad_output * ctx.fn(v_mem, ctx.spike_threshold), None, None
+
+
+class FullyHintedSurrogate(UnhintedSurrogate):
+    """Every argument hinted, the callable's hint wrongly (as str): the 0-dim
+    tensor passed for the float hint is not the argument refused."""
+
+    @staticmethod
+    def forward(ctx, v_mem: torch.Tensor, spike_threshold: float, surrogate_grad_fn: str):
+        return UnhintedSurrogate.forward(ctx, v_mem, spike_threshold, surrogate_grad_fn)
+
+
+@pytest.mark.parametrize("base", [UnhintedSurrogate, FullyHintedSurrogate])
+def test_refusal_names_the_argument_no_schema_carries(base):
+    threshold = torch.tensor(0.5)
+    ref = _spike_grads(base, threshold, _heaviside_surrogate)
+    cls = _fresh(base, "wrap")
+    with pytest.raises(SchemaError) as info:
+        cls.apply(_x(), threshold, _heaviside_surrogate)
+    msg = str(info.value)
+    assert "argument 'surrogate_grad_fn'" in msg and "spike_threshold" not in msg
+    assert "function" in msg
+    cls = _fresh(base, "auto")
+    with pytest.warns(UserWarning, match="argument 'surrogate_grad_fn'"):
+        with torch_opaque.auto() as report:
+            got = _spike_grads(cls, threshold, _heaviside_surrogate)
+    torch.testing.assert_close(got, ref, rtol=0, atol=0)
+    assert "spike_threshold" not in report.fallbacks[cls]

@@ -239,6 +239,13 @@ def _spec_from_hint(fn_name: str, name: str, hint: Any, default: Any) -> ArgSpec
         if conv is _to_tuple:
             conv = _to_optional_tuple
         return ArgSpec(name, base.type + "?", base.token, conv, default)
+    if origin in (typing.Union, types.UnionType) and all(
+        _carried_hint(fn_name, name, a, default) for a in targs
+    ):
+        # Union[float, Tensor] (sinabs' spike thresholds): each kind has a
+        # schema, but no one schema carries both as they are; infer it from
+        # the values of each call (Note [Hints are advice]).
+        raise _FromValues()
     if origin in (list, tuple, collections.abc.Sequence):
         elems = [a for a in targs if a is not Ellipsis]
         if len(set(elems)) == 1 and elems[0] in _HINT_ELEMS:
@@ -249,6 +256,17 @@ def _spec_from_hint(fn_name: str, name: str, hint: Any, default: Any) -> ArgSpec
         f"cannot carry; torch_opaque supports {SUPPORTED}. Change the annotation, or "
         f"remove the annotations to infer the schema from the first call."
     )
+
+
+def _carried_hint(fn_name: str, name: str, hint: Any, default: Any) -> bool:
+    """Whether some schema carries values of the kind `hint` names."""
+    try:
+        _spec_from_hint(fn_name, name, hint, default)
+    except SchemaError:
+        return False
+    except _FromValues:
+        return True
+    return True
 
 
 def type_hints(forward: Callable) -> Optional[dict]:
@@ -298,7 +316,13 @@ def specs_from_hints(forward: Callable, names: Sequence[str], defaults: dict, fn
 # kinds, e.g. Name.Tensor_Tensor, next to the hints' default overload), so the
 # forward receives what stock gives it. A call whose values no schema carries
 # at all gets a SchemaError naming the class, the argument, its hint, the
-# value's type and the fix (specs_for_call).
+# value's type and the fix (specs_for_call). That argument is the one no
+# schema inferred from its value carries (a callable surrogate function),
+# never merely the first whose hint the value does not match (a 0-dim tensor
+# next to it, hinted float). A hint of several kinds that each have a schema
+# (Union[float, Tensor]) is no schema of its own: the overloads come from the
+# values, as without hints; a hint of a kind no schema carries (dict,
+# Callable) is refused when the class is wrapped, naming that argument.
 
 
 def _accepts(typ: str, v: Any) -> bool:
@@ -354,10 +378,9 @@ def specs_for_call(hint_specs: Optional[Sequence[ArgSpec]], names: Sequence[str]
     except SchemaError as e:
         if hint_specs is None:
             raise
-        spec, value = next(
-            ((s, v) for s, v in zip(hint_specs, values) if not _accepts(s.type, v)),
-            (hint_specs[0], values[0]),
-        )
+        spec, value = _uncarried(hint_specs, names, values, defaults, fn_name)
+        if spec is None or _accepts(spec.type, value):
+            raise  # the hint is not what refuses it: the value's own error names it
         raise SchemaError(
             f"torch_opaque: {fn_name}.forward: argument '{spec.name}' is annotated as "
             f"{_hint_text(spec.hint)}, but this call passes a {type(value).__name__}, which "
@@ -366,6 +389,18 @@ def specs_for_call(hint_specs: Optional[Sequence[ArgSpec]], names: Sequence[str]
             f"{_hint_text(spec.hint)} as annotated, or correct the annotation."
         ) from e
     return specs, "_".join(s.token for s in specs) or "noargs"
+
+
+def _uncarried(hint_specs, names, values, defaults, fn_name) -> tuple:
+    """(hint spec, value) of the first argument no schema inferred from its
+    value carries: the one a refusal names (Note [Hints are advice]), not
+    the first whose hint the value does not match."""
+    for spec, n, v in zip(hint_specs, names, values):
+        try:
+            _spec_from_value(fn_name, n, v, defaults.get(n, inspect.Parameter.empty))
+        except SchemaError:
+            return spec, v
+    return None, None
 
 
 class _FromValues(Exception):
