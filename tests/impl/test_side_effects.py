@@ -135,8 +135,9 @@ def test_a_decorated_forward_is_scanned_through_its_wrapper():
     assert side_effects.static(fn) == "assigns the global 'SCALE'"
 
 
-def test_class_counters_are_not_counted():
-    """``Cls.calls += 1`` (instrumentation) is no side effect to this check."""
+def test_class_counters_are_counted():
+    """``Cls.calls += 1`` is state outside the call (Note [Every store form]):
+    eager calls count as stock; the eager first call's watch sees it too."""
 
     class Counted(torch.autograd.Function):
         calls = 0
@@ -151,9 +152,124 @@ def test_class_counters_are_not_counted():
             return g * 2
 
     fn = _function.lookup(torch_opaque.wrap(Counted))
-    assert side_effects.static(fn) is None
+    assert side_effects.static(fn) == "sets the class attribute .calls of the closure variable 'Counted'"
     Counted.apply(torch.ones(2))
-    assert Counted.calls == 1 and fn.side_effects is None
+    Counted.apply(torch.ones(2))
+    assert Counted.calls == 2
+    assert fn.side_effects == "sets a class attribute of the closure variable 'Counted'"
+
+
+def _augmented_item(ctx, x):
+    CACHE["n"] = CACHE.get("n", 0)
+    CACHE["n"] += 1
+    return x * 2
+
+
+def _computed_key(ctx, x):
+    CACHE[x.shape[0]] = x
+    return x * 2
+
+
+def _deleted_item(ctx, x):
+    del CACHE["gone"]
+    return x * 2
+
+
+def _bump_state():
+    STATE.calls += 1
+
+
+def _through_a_helper(ctx, x):
+    _bump_state()
+    return x * 2
+
+
+def _module_attribute(ctx, x):
+    math.tau_seen = True
+    return x * 2
+
+
+def _reads_a_global_list(ctx, x):
+    box = _BOXES
+    return x * len(box)
+
+
+_BOXES = [1]
+
+
+@pytest.mark.parametrize(
+    "forward, effect",
+    [
+        (_augmented_item, "sets an item of the global 'CACHE'"),
+        (_computed_key, "sets an item of the global 'CACHE'"),
+        (_deleted_item, "deletes an item of the global 'CACHE'"),
+        (_through_a_helper, "calls _bump_state(), which sets the attribute .calls of the global 'STATE'"),
+        (_module_attribute, "sets the module attribute .tau_seen of the global 'math'"),
+        (_reads_a_global_list, None),  # read only
+    ],
+)
+def test_bytecode_shows_every_store_form(forward, effect):
+    assert side_effects.static(_fn(forward)) == effect
+
+
+def test_an_item_set_in_an_argument_counts_only_for_a_container():
+    def forward(ctx, x, table):
+        table["last"] = 1
+        x[x < 0] = 0  # a tensor's own item
+        return x * 2
+
+    fn = _fn(forward)
+    assert side_effects.static(fn) is None
+    assert side_effects.on_arguments(fn, [torch.ones(1), {}]) == "sets an item of its argument 'table' (a dict)"
+    assert side_effects.on_arguments(fn, [torch.ones(1), torch.ones(1)]) is None
+
+
+# ---- quiet runs put back what they changed (Note [Fake runs leave no trace]) ----------------
+
+
+def test_a_quiet_run_puts_back_every_kind_of_state():
+    class Counter:
+        calls = 0
+
+    arg_list, arg_obj = [1], types.SimpleNamespace(v=1)
+    holder = {"n": 0}
+
+    def forward(ctx, x, items, obj):
+        nonlocal holder
+        global SCALE
+        CACHE["k"] = "v"
+        LOG.append(x)
+        STATE.calls += 1
+        Counter.calls += 1
+        SCALE = 5.0
+        items.append(2)
+        obj.v = 2
+        holder = None
+        return x
+
+    CACHE.clear()
+    LOG.clear()
+    before = (dict(CACHE), list(LOG), STATE.calls, Counter.calls, SCALE)
+    fn = _fn(forward)
+    with side_effects.quiet(fn, [torch.ones(1), arg_list, arg_obj]) as watch:
+        forward(None, torch.ones(1), arg_list, arg_obj)
+    assert watch.effect is not None
+    assert (dict(CACHE), list(LOG), STATE.calls, Counter.calls, SCALE) == before
+    assert arg_list == [1] and arg_obj.v == 1 and holder == {"n": 0}
+
+
+def test_an_inner_quiet_run_reports_to_the_outer_one():
+    def forward(ctx, x):
+        LOG.append(1)
+        return x
+
+    fn = _fn(forward)
+    LOG.clear()
+    with side_effects.quiet(fn, []) as outer:
+        with side_effects.quiet(fn, []) as inner:
+            forward(None, None)
+        assert LOG == []
+    assert inner.effect == outer.effect == "changes the global 'LOG' (a list)"
 
 
 # ---- the watch around an eager first call --------------------------------------------

@@ -571,7 +571,7 @@ class OpaqueFunction:
             from torch._functorch.pyfunctorch import temporarily_clear_interpreter_stack
 
             plain = [one_plain_sample(v) for v in values]
-            with torch.no_grad(), temporarily_clear_interpreter_stack():
+            with torch.no_grad(), temporarily_clear_interpreter_stack(), side_effects.quiet(self, values):
                 out = Runner(self.display_name, self.forward, setup, specs, -1).call_user(
                     ForwardContext(self.display_name, (False,) * len(values)), plain
                 )

@@ -45,8 +45,13 @@ AOTAutograd's own, which in-place ops would escape. In-place Functions
 (``ctx.mark_dirty``) and ops defined in C++ keep their calls.
 
 Under Inductor the bodies' Python runs when the graph is traced, not per call
-(as for code stock torch.compile traces): a counter or print in a forward
-runs at compile time only.
+(as for code stock torch.compile traces): a print in a forward runs at compile
+time only. A forward with side effects (Note [Forward side effects] in
+side_effects.py: a counter, a log, a stash in a global or closure variable,
+seen by the bytecode scan, an eager first call or the check run here) keeps
+the opaque call, so its kernel applies the effect once per call, as stock's
+compiled code replays it; the check run's own effect is put back (Note [Fake
+runs leave no trace]).
 
 ``torch_opaque.config.inductor_inline = False`` keeps every call opaque in
 compiled code (read per compile; ``torch._dynamo.reset()`` drops graphs
@@ -56,6 +61,7 @@ hold] does not count those references (``table_references``).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
 import weakref
@@ -64,6 +70,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_map_only
 
 from .. import _C, config
+from . import side_effects
 from .fake_from_real import discarding_fresh_unbacked
 from .tracing import dynamo_disabled
 
@@ -93,6 +100,11 @@ def _enabled() -> bool:
     return not (v is not None and v.V.aot_compilation)
 
 
+@contextlib.contextmanager
+def _nothing():
+    yield None
+
+
 class _Writes(torch.utils._python_dispatch.TorchDispatchMode):
     """Notes the first op that writes into a tensor."""
 
@@ -119,25 +131,38 @@ def _decline(op) -> object:
     return NotImplemented
 
 
-def _check(run, values, name: str, what: str):
+def _has_side_effects(fn) -> bool:
+    """A forward that changes state outside its outputs (Note [Forward side
+    effects]): inlined, its effect would happen once, when the graph is
+    traced; kept an opaque call, its kernel applies it at each call."""
+    return fn is not None and bool(fn.side_effects or side_effects.static(fn))
+
+
+def _check(run, values, name: str, what: str, fn=None):
     """``run(values)`` once on these fake tensors with tracing off (fresh
-    unbacked symbols dropped): None when it cannot be inlined (it raised, or
-    wrote into its arguments), else whether it writes into its own tensors."""
+    unbacked symbols dropped): None when it cannot be inlined (it raised,
+    wrote into its arguments, or changed state outside the call: put back,
+    Note [Fake runs leave no trace]), else whether it writes into its own tensors."""
     from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
 
     inputs = [t for t in tree_flatten(values)[0] if isinstance(t, torch.Tensor)]
     versions = [t._version for t in inputs]
     writes = _Writes()
+    watch = None
     try:
         with disable_proxy_modes_tracing(), discarding_fresh_unbacked(values, ignore=True):
-            with writes:
+            with writes, side_effects.quiet(fn, values) if fn is not None else _nothing() as watch:
                 run(values)
     except Exception as e:  # anything a fake tensor refuses: numpy, data-dependent Python
         why = f"it cannot run on fake tensors ({type(e).__name__}: {e})"
     else:
-        if [t._version for t in inputs] == versions:
+        if watch is not None and watch.effect:
+            fn.side_effects = fn.side_effects or watch.effect
+            why = f"its forward {watch.effect}"
+        elif [t._version for t in inputs] == versions:
             return writes.seen is not None
-        why = f"it modifies its argument in place ({writes.seen})"
+        else:
+            why = f"it modifies its argument in place ({writes.seen})"
     log.debug("torch_opaque: %s %s stays an opaque call in Inductor's graph: %s "
               "(Note [Inductor sees through opaque ops])", name, what, why)
     return None
@@ -154,10 +179,10 @@ def _functional(run, values):
     return tree_map_only(torch.Tensor, from_fun, out)
 
 
-def _traced(run, values, name: str, what: str):
+def _traced(run, values, name: str, what: str, fn=None):
     """``run(values)`` traced into the graph, or NotImplemented (Note [Inductor
     sees through opaque ops])."""
-    writes = _check(run, values, name, what)
+    writes = _check(run, values, name, what, fn)
     if writes is None:
         return NotImplemented
     return _functional(run, values) if writes else run(values)
@@ -167,12 +192,14 @@ class _ForwardEntry:
     """``Name_fwd``'s entry: the forward as its fake kernel runs it (the real
     forward, not a user ``fake``), on the traced tensors."""
 
-    def __init__(self, runner, op):
+    def __init__(self, runner, op, fn=None):
         self.runner = runner
         self.op = weakref.ref(op)
+        self.fn = (lambda: None) if fn is None else weakref.ref(fn)
 
     def __call__(self, *args, **kwargs):
-        if not _enabled():
+        fn = self.fn()
+        if not _enabled() or _has_side_effects(fn):
             return _decline(self.op())
         r = self.runner
         args, kwargs, needs = r.signature.split_needs_input_grad(args, kwargs)
@@ -182,7 +209,7 @@ class _ForwardEntry:
         torch._C._set_grad_enabled(False)
         try:
             with dynamo_disabled():
-                got = _traced(lambda a: r.run(needs, a), list(args), r.fn_name, "forward")
+                got = _traced(lambda a: r.run(needs, a), list(args), r.fn_name, "forward", fn)
         finally:
             torch._C._set_grad_enabled(prev)
         if got is NotImplemented:
@@ -219,7 +246,7 @@ def add(overload) -> None:
     Python, not in place), in Inductor's tables now and when Inductor loads."""
     if overload.dirty:
         return
-    _ENTRIES[overload.fwd_op] = _ForwardEntry(overload.runner, overload.fwd_op)
+    _ENTRIES[overload.fwd_op] = _ForwardEntry(overload.runner, overload.fwd_op, overload.fn)
     _ENTRIES[overload.bwd_op] = _BackwardEntry(overload.bwd_runner, overload.bwd_op)
     for table in _tables():
         table[overload.fwd_op] = _ENTRIES[overload.fwd_op]

@@ -21,7 +21,7 @@ from ..errors import FakeForwardError, SchemaError, UnsupportedError
 from .bridge import BackwardChecks, ForwardChecks
 from .calls import CallSignature
 from .bridge import check_tensor_outputs  # noqa: F401 (re-exported)
-from . import fake_from_real
+from . import fake_from_real, side_effects
 from .tracing import dynamo_disabled
 
 
@@ -167,24 +167,33 @@ class FakeRunner(Runner):
         auto()'s recording check), Dynamo is off (Note [User bodies run without
         Dynamo] in tracing.py) and a forward that branches on its data gets
         outputs from real runs (Note [Fake from a real run])."""
-        if forward is not self.guarded_forward:
-            return super().run(needs, args, forward, setup_context)
-        try:
-            with dynamo_disabled(), fake_from_real.discarding_fresh_unbacked(args):
+        with self.quiet(args):  # Note [Fake runs leave no trace] (side_effects.py)
+            if forward is not self.guarded_forward:
                 return super().run(needs, args, forward, setup_context)
-        except FakeForwardError as e:
-            if not self._from_real_allowed(e):
-                raise
-            return self._run_from_real(needs, args, e)
+            try:
+                with dynamo_disabled(), fake_from_real.discarding_fresh_unbacked(args):
+                    return super().run(needs, args, forward, setup_context)
+            except FakeForwardError as e:
+                if not self._from_real_allowed(e):
+                    raise
+                return self._run_from_real(needs, args, e)
 
     def call_user(self, ctx, args):
-        try:
-            with dynamo_disabled(), fake_from_real.discarding_fresh_unbacked(args):
-                return self._guard(super().call_user)(ctx, args)
-        except FakeForwardError as e:
-            if not self._from_real_allowed(e):
-                raise
-            return self._call_user_from_real(ctx, args, e)
+        with self.quiet(args):  # Note [Fake runs leave no trace] (side_effects.py)
+            try:
+                with dynamo_disabled(), fake_from_real.discarding_fresh_unbacked(args):
+                    return self._guard(super().call_user)(ctx, args)
+            except FakeForwardError as e:
+                if not self._from_real_allowed(e):
+                    raise
+                return self._call_user_from_real(ctx, args, e)
+
+    def quiet(self, args):
+        """The runs of this fake (fake-from-real runs included) leave no trace."""
+        funcs = self.__dict__.get("_user_functions")
+        if funcs is None:
+            funcs = self._user_functions = side_effects.functions_of(self.forward, self.setup_context)
+        return side_effects.quiet(None, args, funcs, self.arg_names)
 
     # ---- Note [Fake from a real run] (fake_from_real.py) ----
 
@@ -304,7 +313,14 @@ def make_backward_fake(runner: BackwardRunner, fn_name: str) -> Callable:
     (snntorch's ``grad[input_ < 0] = 0``) are not left pending; a backward that
     branches on its data gets fakes from real runs (Note [Fake from a real run])."""
 
+    funcs = side_effects.functions_of(runner.backward)
+
     def fake_backward(saved, grads, needs_input_grad, state, state_ints):
+        # Note [Fake runs leave no trace] (side_effects.py)
+        with side_effects.quiet(None, (), funcs):
+            return _fake_backward(saved, grads, needs_input_grad, state, state_ints)
+
+    def _fake_backward(saved, grads, needs_input_grad, state, state_ints):
         values = [list(saved), list(grads), list(state_ints)]
         try:
             with dynamo_disabled(), fake_from_real.discarding_fresh_unbacked(values, ignore=True):

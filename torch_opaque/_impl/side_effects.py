@@ -17,60 +17,64 @@ that also changes something else, such as
   ``STATE.calls += 1``),
 
 then loses that effect in the compiled program (the traced caller reads the
-attribute the op's output never had), or leaks FakeTensors into user objects
-(a global list that collects FakeTensors at each trace). Stock Dynamo traces
-such a forward itself and replays its effects, so under torch.compile these
-Functions are not emitted as the op: inside ``auto()`` the class falls back
-(Note [Auto fall-back]), and a class wrapped explicitly is refused with
-UnsupportedError (hooks/dynamo.py). Eager calls and torch.export keep the op:
-in eager mode the forward runs for real and its effects happen as in stock.
+attribute the op's output never had), or would apply it at each fake run
+rather than once per call. Stock Dynamo traces such a forward itself and
+replays its effects, so under torch.compile:
+- inside ``auto()`` the class falls back (Note [Auto fall-back]);
+- a class wrapped explicitly whose forward changes state outside the call (a
+  global, a closure variable, a class attribute, a global container or
+  object: ``outside_call``) is emitted as the op, which stays an opaque call
+  at run time (never inlined into Inductor's graph, inductor_inline.py): its
+  kernel runs the forward, and the effect, once per call, as stock does;
+- one whose forward changes an argument or sets attributes on an output is
+  refused with UnsupportedError (hooks/dynamo.py): the traced caller would
+  read what the op's fake outputs never had.
+Eager calls and torch.export keep the op: in eager mode the forward runs for
+real and its effects happen as in stock. Whatever the mode, the runs
+torch_opaque makes for its own purposes leave no trace (Note [Fake runs
+leave no trace], below).
 
 What is seen, and when:
 - ``Watch`` (dynamic), around the forward's one real run of an eager first
-  call (Note [First call runs forward once]): the Python ``__dict__`` of the
-  outputs (a fresh output with attributes, or an input returned with new
-  ones), of argument tensors and argument objects; the length and item
-  identities of list / dict / set arguments; the binding of each global the
-  forward's code names (``co_names``, nested code included) and of each
-  closure cell, and for bound containers and plain objects, their items /
-  ``__dict__`` by identity (one level deep). The same watch runs around the
-  fake runs Dynamo's hook makes (outputs there are not seen). A change to a
-  list argument is lost in eager mode too (the op's kernel passes the forward
-  a new list): ``lost_in_eager`` refuses an explicit wrap at its first call
-  and makes auto() fall back from the next call on.
-- ``static`` (bytecode), for a first call that is traced (compile with no
-  eager call before): ``STORE_GLOBAL`` / ``DELETE_GLOBAL``; ``STORE_DEREF`` /
-  ``DELETE_DEREF`` of a free variable (a ``nonlocal``, not a local that an
-  inner function captures); a mutating method (``append``, ``update``...)
-  loaded right off a global or free variable bound to a list / dict / set /
-  deque; ``STORE_SUBSCR`` into such a container loaded right before a simple
-  key; ``STORE_ATTR`` on a global or free variable (not a class or module),
-  on an argument other than ``ctx``, or on a local the forward returns
-  (directly or in a returned tuple), as ``obj.a = v`` or ``obj.a += v``; a
-  mutating method loaded right off an argument whose value in the call is a
-  list / dict / set (``out.append(y)``, not a tensor's ``x.add(y)``:
-  ``on_arguments``, with Dynamo's example values).
-What is not seen: effects made in functions the forward calls (helpers,
-methods of its arguments' objects), ``setattr`` calls, effects through
-aliases (``log = LOG; log.append(x)``) or computed containers
-(``LOG[i].append(x)``), changes deeper than one level, items set into
-arguments statically, and attributes of classes and modules (a counter such
-as ``Cls.calls += 1``: instrumentation that tests of eager code use; the
-watch does not snapshot classes and modules either). The watch sees some of
-these (setattr, aliases) when the forward runs before Dynamo meets it. These
-are the limits of a conservative check: it flags what it can name (no false
-positives on ctx attributes, ``save_for_backward``, local lists, module
-functions like ``torch.add``), and a Function it misses behaves under compile
-as it did before this check.
+  call (Note [First call runs forward once]) and around every quiet run: the
+  Python ``__dict__`` of the outputs (a fresh output with attributes, or an
+  input returned with new ones), of argument tensors and argument objects;
+  the length and item identities of list / dict / set arguments; the binding
+  of each global the forward's code names (``co_names``, nested code
+  included) and of each closure cell, and for bound containers, plain
+  objects and the user's classes, their items / ``__dict__`` by identity (one
+  level deep); the same for the user's functions the forward calls by a
+  global name (``with_helpers``, two calls deep). A change to a list argument
+  is lost in eager mode too (the op's kernel passes the forward a new list):
+  ``lost_in_eager`` refuses an explicit wrap at its first call and makes
+  auto() fall back from the next call on.
+- ``static`` (bytecode, side_effect_scan.py, Note [Every store form]), for a
+  first call that is traced (compile with no eager call before): every store
+  into state that outlives the call, whatever its form (``d[k] = v``,
+  ``d[k] += 1``, ``del d[k]``, ``obj.a += v``, ``global n; n += 1``,
+  ``nonlocal``, ``LOG.append``, ``Cls.calls += 1``, a module's attribute),
+  in the forward and in the helpers it calls; a mutating method or item store
+  on an argument whose value in the call is a list / dict / set
+  (``on_arguments``, with Dynamo's example values).
+What is not seen: effects through aliases the bytecode cannot follow
+(``log = LOG; log.append(x)``: the watch sees them), through methods of the
+arguments' objects or functions not called by a global name, and changes
+deeper than one level. These are the limits of a conservative check: it flags
+what it can name (no false positives on ctx attributes,
+``save_for_backward``, local lists, tensor methods, module functions like
+``torch.add``), and a Function it misses behaves under compile as it did
+before this check.
 """
 
 from __future__ import annotations
 
 import collections
 import collections.abc
-import dis
-import inspect
+import contextlib
 import os
+import sys
+import sysconfig
+import threading
 import types
 from typing import Optional
 
@@ -119,10 +123,50 @@ def user_functions(fn) -> list:
             if isinstance(f, types.FunctionType) and not f.__code__.co_filename.startswith(_TORCH_DIR):
                 out.append((f, has_ctx))
             f = getattr(f, "__wrapped__", None)
+    return with_helpers(out)
+
+
+def with_helpers(funcs: list, depth: int = 2, limit: int = 32) -> list:
+    """`funcs` ((function, has ctx), ...) and the user's functions they call by
+    a global name (``_bump()``, module helpers), `depth` calls deep, as
+    (function, None): their globals are state the forward changes too."""
+    out, seen = list(funcs), {id(f) for f, _ in funcs}
+    frontier = [f for f, _ in funcs]
+    for _ in range(depth):
+        nxt = []
+        for f in frontier:
+            g = f.__globals__
+            for name in sorted(_names(f.__code__)):
+                h = g.get(name)
+                if (
+                    isinstance(h, types.FunctionType)
+                    and id(h) not in seen
+                    and not h.__code__.co_filename.startswith(_TORCH_DIR)
+                    and len(out) < limit
+                ):
+                    seen.add(id(h))
+                    out.append((h, None))
+                    nxt.append(h)
+        frontier = nxt
     return out
 
 
 # ---- dynamic: around one run ------------------------------------------------------
+
+
+def _is_users_class(v) -> bool:
+    """A class of the user's (not builtins', the standard library's or torch's),
+    whose attributes a forward may use as state (``Counter.calls += 1``)."""
+    if not isinstance(v, type):
+        return False
+    mod = sys.modules.get(getattr(v, "__module__", None) or "")
+    path = getattr(mod, "__file__", None) or ""
+    if not path:  # builtins, or a class made at run time: __main__-like
+        return mod is not None and v.__module__ not in sys.builtin_module_names
+    return not path.startswith((_TORCH_DIR, _STDLIB))
+
+
+_STDLIB = sysconfig.get_paths()["stdlib"] + os.sep
 
 
 def _items(v):
@@ -134,11 +178,49 @@ def _items(v):
             return ("seq", len(v), tuple(map(id, v)))
         if isinstance(v, collections.abc.MutableSet):
             return ("set", len(v), frozenset(map(id, v)))
+        if _is_users_class(v):
+            return ("cls", tuple((k, id(x)) for k, x in vars(v).items()))
         if isinstance(v, (_OPAQUE_TYPES, torch.Tensor)) or not hasattr(v, "__dict__"):
             return None
         return ("obj", tuple((k, id(x)) for k, x in vars(v).items()))
     except Exception:  # an object whose __dict__ / items cannot be read
         return None
+
+
+def _contents(v, kind: str):
+    """What `_restore` puts back into `v` (of `_items` kind `kind`)."""
+    if kind == "map":
+        return list(v.items())
+    if kind in ("seq", "set"):
+        return list(v)
+    return dict(vars(v))
+
+
+def _restore(v, kind: str, contents) -> None:
+    """Put `contents` back into container / object / class `v`, one level deep."""
+    if kind == "map":
+        v.clear()
+        v.update(contents)
+    elif kind == "seq":
+        if isinstance(v, collections.deque):
+            v.clear()
+            v.extend(contents)
+        else:
+            v[:] = contents
+    elif kind == "set":
+        v.clear()
+        v |= set(contents)
+    else:
+        _restore_attrs(v, contents)
+
+
+def _restore_attrs(v, contents: dict) -> None:
+    now = vars(v)
+    for k in [k for k in now if k not in contents]:
+        delattr(v, k)
+    for k, x in contents.items():
+        if now.get(k, _MISSING) is not x:
+            setattr(v, k, x)
 
 
 def _attrs(t) -> tuple:
@@ -160,34 +242,54 @@ def _names(code) -> set:
     return names
 
 
+def functions_of(*callables) -> list:
+    """(function, None) for the user's Python functions among `callables`
+    (with those they wrap), as ``user_functions`` gives them for a class."""
+    out, seen = [], set()
+    for f in callables:
+        while f is not None and id(f) not in seen:
+            seen.add(id(f))
+            if isinstance(f, types.FunctionType) and not f.__code__.co_filename.startswith(_TORCH_DIR):
+                out.append((f, None))
+            f = getattr(f, "__wrapped__", None)
+    return with_helpers(out)
+
+
 class Watch:
     """Snapshot of what a forward could change, taken before it runs;
-    ``found(outputs)`` after the run says what changed, or None."""
+    ``found(outputs)`` after the run says what changed, or None; ``restore()``
+    puts back what changed (Note [Fake runs leave no trace]).
 
-    def __init__(self, fn, values) -> None:
+    `fn`: the OpaqueFunction; or None with `functions` ((function, _), ...)
+    and the argument `names`."""
+
+    def __init__(self, fn, values, functions=None, names=()) -> None:
         self.values = list(values)
-        self.args = []  # (index, value, snapshot)
+        self.args = []  # (index, value, snapshot, contents)
         for i, v in enumerate(self.values):
             if isinstance(v, torch.Tensor):  # (fake / traced ones are the tracer's)
                 if type(v) in (torch.Tensor, torch.nn.Parameter):
-                    self.args.append((i, v, _attrs(v)))
+                    self.args.append((i, v, _attrs(v), dict(getattr(v, "__dict__", None) or {})))
             else:
                 snap = _items(v)
                 if snap is not None:
-                    self.args.append((i, v, snap))
-        self.names = fn.arg_names
-        self.cells = []  # (description, getter, snapshot)
-        for f, _ in user_functions(fn):
+                    self.args.append((i, v, snap, _contents(v, snap[0])))
+        self.names = fn.arg_names if fn is not None else tuple(names)
+        self.cells = []  # (description, getter, setter, snapshot, contents)
+        for f, _ in user_functions(fn) if fn is not None else functions:
             g = f.__globals__
             for name in sorted(_names(f.__code__)):
                 if name in g:
-                    self._add(f"global '{name}'", _global(g, name))
+                    self._add(f"global '{name}'", *_global(g, name))
             for name, cell in zip(f.__code__.co_freevars, f.__closure__ or ()):
-                self._add(f"closure variable '{name}'", _cell(cell))
+                self._add(f"closure variable '{name}'", *_cell(cell))
+        self.effect: Optional[str] = None  # found by quiet(), here or in a run inside
 
-    def _add(self, what: str, get) -> None:
+    def _add(self, what: str, get, put) -> None:
         v = get()
-        self.cells.append((what, get, (v, _items(v))))  # (v held: no id reuse)
+        snap = _items(v)
+        contents = None if snap is None else _contents(v, snap[0])
+        self.cells.append((what, get, put, (v, snap), contents))  # (v held: no id reuse)
 
     def _arg_name(self, i) -> str:
         return f"'{self.names[i]}'" if i < len(self.names) else f"#{i}"
@@ -197,22 +299,24 @@ class Watch:
     lost_in_eager = False
 
     def found(self, outputs=None) -> Optional[str]:
-        for i, v, snap in self.args:
+        for i, v, snap, _ in self.args:
             if isinstance(v, torch.Tensor):
                 if _attrs(v) != snap:
                     return f"sets a Python attribute on its argument tensor {self._arg_name(i)}"
             elif _items(v) != snap:
-                self.lost_in_eager = snap[0] != "obj"
-                what = "changes the contents of" if snap[0] != "obj" else "sets an attribute of"
+                self.lost_in_eager = snap[0] not in ("obj", "cls")
+                what = "changes the contents of" if self.lost_in_eager else "sets an attribute of"
                 return f"{what} its argument {self._arg_name(i)} (a {type(v).__name__})"
-        for what, get, snap in self.cells:
+        for what, get, _, snap, _ in self.cells:
             v = get()
             if v is not snap[0]:
                 return f"rebinds the {what}"
             if _items(v) != snap[1]:
+                if snap[1] is not None and snap[1][0] == "cls":
+                    return f"sets a class attribute of the {what}"
                 return f"changes the {what} (a {type(v).__name__})"
         outs = outputs if isinstance(outputs, (tuple, list)) else (outputs,)
-        inputs = {id(v): snap for _, v, snap in self.args if isinstance(v, torch.Tensor)}
+        inputs = {id(v) for _, v, _, _ in self.args if isinstance(v, torch.Tensor)}
         for k, o in enumerate(outs):
             if type(o) not in (torch.Tensor, torch.nn.Parameter) or id(o) in inputs:
                 continue  # (an input returned: its attributes are checked above;
@@ -223,12 +327,33 @@ class Watch:
                 return f"sets a Python attribute on {where} (.{d[0]})"
         return None
 
+    def restore(self) -> None:
+        """Undo what changed since the snapshot, one level deep."""
+        for _, v, snap, contents in self.args:
+            if isinstance(v, torch.Tensor):
+                if _attrs(v) != snap:
+                    v.__dict__.clear()
+                    v.__dict__.update(contents)
+            elif _items(v) != snap:
+                _restore(v, snap[0], contents)
+        for _, get, put, (old, snap), contents in self.cells:
+            if get() is not old:
+                put(old)
+            if snap is not None and _items(old) != snap:
+                _restore(old, snap[0], contents)
+
 
 _MISSING = object()
 
 
 def _global(g, name):
-    return lambda: g.get(name, _MISSING)
+    def put(v):
+        if v is _MISSING:
+            g.pop(name, None)
+        else:
+            g[name] = v
+
+    return (lambda: g.get(name, _MISSING)), put
 
 
 def _cell(cell):
@@ -238,7 +363,68 @@ def _cell(cell):
         except ValueError:  # an empty cell
             return _MISSING
 
-    return get
+    def put(v):
+        if v is _MISSING:
+            del cell.cell_contents
+        else:
+            cell.cell_contents = v
+
+    return get, put
+
+
+# Note [Fake runs leave no trace]
+# torch_opaque runs a user's forward for its own purposes: the probe that
+# learns the outputs of a traced first call (on FakeTensors, or once for real
+# when the forward cannot run on them), auto()'s recording check, the ops'
+# fake kernels (called by torch.export, Dynamo and AOTAutograd, possibly
+# several times per trace) and the real runs on stand-in data that a fake
+# from real makes (Note [Fake from a real run]). Stock PyTorch makes none of
+# these runs, so none may leave a trace in the user's state: a counter
+# (``CALLS["n"] += 1``, ``Counter.calls += 1``, ``global n; n += 1``), a log
+# that would collect FakeTensors, a stash. Each such run is ``quiet``: the
+# Watch's snapshot (argument tensors' attributes; list / dict / set / object
+# arguments; every global the code names and every closure cell, their
+# bindings and, for containers, objects and the user's classes, their items
+# one level deep) is taken before, and what changed is put back after, so a
+# counter after N calls is what stock gives, eagerly and under compile. What
+# changed is still reported (``Watch.effect``, to the quiet runs around this
+# one too), so Dynamo's hook decides as if it had seen the effect: auto()
+# falls back, an explicit wrap keeps the op when the state is outside the
+# call (Note [Forward side effects]). Not put back: changes deeper than one
+# level, made through functions the forward calls, or to modules' attributes
+# (the bytecode scan names a store to a module's attribute, in
+# side_effect_scan.py, so compile falls back before any fake run). The
+# forward's one real run of an eager first call, and each run of its kernel,
+# are the user's own calls: not quiet.
+
+_quiet = threading.local()
+
+
+@contextlib.contextmanager
+def quiet(fn, values, functions=None, names=()):
+    """A run made for torch_opaque's own purposes (Note [Fake runs leave no
+    trace]): yields the Watch, whose ``effect`` says what the run changed
+    (since put back)."""
+    watch = Watch(fn, values, functions, names)
+    stack = _quiet.__dict__.setdefault("stack", [])
+    stack.append(watch)
+    try:
+        yield watch
+    finally:
+        stack.pop()
+        effect = watch.found()
+        if effect:
+            watch.restore()
+            for w in (watch, *stack):
+                w.effect = w.effect or effect
+
+
+def outside_call(effect: str) -> bool:
+    """Whether `effect` changes state outside the call (a global, a closure
+    variable, a class), which the op's kernel, run once per call, applies as
+    stock does; not an argument's or an output's attributes, which the traced
+    caller reads."""
+    return " the global " in effect or " the closure variable " in effect
 
 
 def lost_in_eager(fn, effect: str) -> None:
@@ -263,158 +449,6 @@ def lost_in_eager(fn, effect: str) -> None:
     )
 
 
-# ---- static: the bytecode -------------------------------------------------------------
 
 
-def static(fn) -> Optional[str]:
-    """A side effect the bytecode of the Function's forward shows, or None
-    (Note [Forward side effects]); the scan is cached on the OpaqueFunction."""
-    return _scanned(fn)[0]
-
-
-def on_arguments(fn, values) -> Optional[str]:
-    """A mutating method the forward's bytecode calls on an argument that is
-    a list / dict / set in this call (``out.append(y)``; ``x.add(y)`` on a
-    tensor is not one), or None. `values`: the call's arguments (example
-    values while tracing)."""
-    for name, method in _scanned(fn)[1]:
-        i = fn.arg_names.index(name) if name in fn.arg_names else len(values)
-        if i < len(values) and isinstance(values[i], _CONTAINERS):
-            return f"calls .{method}() on its argument '{name}' (a {type(values[i]).__name__})"
-    return None
-
-
-def _scanned(fn) -> tuple:
-    """(finding or None, ((argument, method), ...)) of the forward's bytecode."""
-    cached = fn.__dict__.get("_static_side_effects")
-    if cached is None:
-        found, calls = None, []
-        for f, has_ctx in user_functions(fn):
-            params = list(inspect.signature(f, follow_wrapped=False).parameters)
-            ctx = params[0] if params and has_ctx else None
-            found = _scan(f, f.__code__, set(params) - {ctx}, set(f.__code__.co_freevars), True, calls)
-            if found:
-                break
-        cached = fn._static_side_effects = (found, tuple(calls))
-    return cached
-
-
-def _value(f, name, free: bool):
-    """The current value of global or free variable `name` of `f`, or _MISSING."""
-    if free:
-        try:
-            cell = f.__closure__[f.__code__.co_freevars.index(name)]
-            return cell.cell_contents
-        except (ValueError, IndexError, TypeError):
-            return _MISSING
-    g = f.__globals__
-    if name in g:
-        return g[name]
-    b = g.get("__builtins__")
-    b = vars(b) if isinstance(b, types.ModuleType) else (b or {})
-    return b.get(name, _MISSING)
-
-
-def _loaded(ins, f, params, free):
-    """(description, value) of what instruction `ins` loads from outside the
-    forward (a global, a free variable, an argument), else None."""
-    op, name = ins.opname, ins.argval
-    if isinstance(name, tuple):  # LOAD_FAST_LOAD_FAST (3.13): the last one is on top
-        name = name[-1]
-    if op == "LOAD_GLOBAL" or op == "LOAD_NAME":
-        return f"global '{name}'", _value(f, name, free=False)
-    if op in ("LOAD_DEREF", "LOAD_CLASSDEREF") and name in free:
-        return f"closure variable '{name}'", _value(f, name, free=True)
-    if op.startswith("LOAD_FAST") and name in params:
-        return f"argument '{name}'", _MISSING
-    return None
-
-
-def _returned(instrs) -> set:
-    """Names of locals the code returns, alone or in a tuple literal."""
-    out = set()
-    for i, ins in enumerate(instrs):
-        if ins.opname != "RETURN_VALUE" or i == 0:
-            continue
-        prev = instrs[i - 1]
-        loads = [prev]
-        if prev.opname == "BUILD_TUPLE" and prev.arg:
-            loads = instrs[max(0, i - 1 - prev.arg) : i - 1]
-        for ld in loads:
-            if ld.opname.startswith("LOAD_FAST"):
-                names = ld.argval if isinstance(ld.argval, tuple) else (ld.argval,)
-                out.update(names)
-    return out
-
-
-def _scan(f, code, params, free, top, arg_calls) -> Optional[str]:
-    instrs = [i for i in dis.get_instructions(code) if i.opname not in ("CACHE", "EXTENDED_ARG")]
-    returned = _returned(instrs) - params if top else set()
-    for k, ins in enumerate(instrs):
-        op = ins.opname
-        prev = instrs[k - 1] if k else None
-        if op in ("STORE_GLOBAL", "DELETE_GLOBAL"):
-            return f"assigns the global '{ins.argval}'"
-        if op in ("STORE_DEREF", "DELETE_DEREF") and ins.argval in free:
-            return f"assigns the closure variable '{ins.argval}' (nonlocal)"
-        if op in ("LOAD_METHOD", "LOAD_ATTR") and ins.argval in _MUTATORS and prev is not None:
-            src = _loaded(prev, f, params, free)
-            if src is not None and isinstance(src[1], _CONTAINERS):
-                return f"calls .{ins.argval}() on the {src[0]}"
-            if src is not None and src[0].startswith("argument"):
-                arg_calls.append((src[0].split("'")[1], ins.argval))
-        if op == "STORE_SUBSCR" and k >= 2 and _simple_load(prev):
-            src = _loaded(instrs[k - 2], f, params, free)
-            if src is not None and isinstance(src[1], _CONTAINERS):
-                return f"sets an item of the {src[0]}"
-        if op == "STORE_ATTR" and prev is not None:
-            target = _attr_target(instrs, k)
-            if target is None:
-                continue
-            src = _loaded(target, f, params, free)
-            if src is not None and not isinstance(src[1], (type, types.ModuleType)):
-                whose = "its" if src[0].startswith("argument") else "the"
-                return f"sets the attribute .{ins.argval} of {whose} {src[0]}"
-            names = target.argval if isinstance(target.argval, tuple) else (target.argval,)
-            if (
-                target.opname.startswith("LOAD_FAST")
-                and names[-1] in returned
-                and not hasattr(torch.Tensor, ins.argval)  # y.requires_grad = False
-            ):
-                return f"sets the Python attribute .{ins.argval} on its output '{names[-1]}'"
-    for c in code.co_consts:  # comprehensions, lambdas, inner functions
-        if isinstance(c, types.CodeType):
-            found = _scan(f, c, set(), free - set(code.co_cellvars), False, arg_calls)
-            if found:
-                return found
-    return None
-
-
-def _simple_load(ins) -> bool:
-    return ins is not None and ins.opname.startswith(("LOAD_CONST", "LOAD_FAST", "LOAD_GLOBAL", "LOAD_DEREF"))
-
-
-def _attr_target(instrs, k):
-    """The instruction that loaded the object of STORE_ATTR instrs[k]:
-    ``obj.a = v`` (the load right before) or ``obj.a += v`` (load, COPY 1,
-    LOAD_ATTR a, ..., SWAP 2, STORE_ATTR a)."""
-    prev = instrs[k - 1]
-    if prev.opname != "SWAP":
-        return prev
-    attr = instrs[k].argval
-    for j in range(k - 3, -1, -1):
-        ins = instrs[j]
-        if (
-            ins.opname in ("LOAD_ATTR", "LOAD_METHOD")
-            and ins.argval == attr
-            and j >= 2
-            and instrs[j - 1].opname == "COPY"
-        ):
-            return instrs[j - 2]
-    return None
-
-
-def argument_calls(fn) -> tuple:
-    """((argument, method), ...): the mutating methods the forward's bytecode
-    loads off its arguments, for ``on_arguments``."""
-    return _scanned(fn)[1]
+from .side_effect_scan import argument_calls, on_arguments, static  # noqa: E402,F401

@@ -23,8 +23,11 @@ if Dynamo is already loaded, else adds a ``sys.meta_path`` finder that
 patches right after ``torch._dynamo`` finishes importing.
 
 Under torch.compile (not strict export) a Function whose forward has side
-effects is not emitted as the op: auto() falls back, an explicitly wrapped
-class is refused (Note [Forward side effects] in _impl/side_effects.py).
+effects is not emitted as the op inside auto(), which falls back; an
+explicitly wrapped class is emitted when the effect is on state outside the
+call (a global, a closure variable, a class: the op stays opaque at run time
+and applies it once per call) and refused when it is on an argument or an
+output (Note [Forward side effects] in _impl/side_effects.py).
 """
 
 from __future__ import annotations
@@ -182,13 +185,30 @@ def _watched(fn, examples, run):
     seen there is recorded on ``fn`` and raised (Note [Forward side effects])."""
     from .._impl import side_effects
 
-    watch = side_effects.Watch(fn, examples)
-    out = run()
-    effect = watch.found()
+    with side_effects.quiet(fn, examples) as watch:  # Note [Fake runs leave no trace]
+        out = run()
+    effect = watch.effect
     if effect:
         fn.side_effects = getattr(fn, "side_effects", None) or effect
-        raise _refuse(fn, effect) if fn.explicit else _SideEffect(effect)
+        if not fn.explicit:
+            raise _SideEffect(effect)
+        if not side_effects.outside_call(effect):
+            raise _refuse(fn, effect)
     return out
+
+
+def _kept_opaque(fn, effect: str) -> None:
+    """A class wrapped explicitly whose forward changes state outside the call
+    (a global, a closure variable, a class): the op is emitted and stays an
+    opaque call at run time (never inlined into Inductor's graph,
+    Note [Inductor sees through opaque ops]), so its kernel runs the forward,
+    and its effect, once per call, as stock's compiled code does; the fake
+    runs of tracing leave no trace (Note [Fake runs leave no trace])."""
+    from .._impl import side_effects
+
+    if not side_effects.outside_call(effect):
+        raise _refuse(fn, effect)
+    fn.side_effects = getattr(fn, "side_effects", None) or effect
 
 
 def _routed_call_apply(original):
@@ -207,9 +227,9 @@ def _routed_call_apply(original):
             return original(self, tx, args, kwargs)  # this call only
         compiling = _compiling(tx)
         effect = _side_effect(fn, tx, args, kwargs) if compiling else None
-        if effect:  # before any fake run of the forward, which would leak
-            if fn.explicit:
-                raise _refuse(fn, effect)
+        if effect and fn.explicit:
+            _kept_opaque(fn, effect)
+        elif effect:  # before any fake run of the forward
             _fall_back(fn, effect)
             return original(self, tx, args, kwargs)
         if fn.explicit:
