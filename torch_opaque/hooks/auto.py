@@ -343,7 +343,7 @@ def call(cls: type, args: tuple, kwargs: dict):
             raise
         if rng is not None:
             torch.set_rng_state(rng)  # stock draws what the failed run drew
-        out = ORIGINAL_APPLY(cls, *args, **kwargs)  # stock's own error propagates
+        out = _stock_instead(cls, args, kwargs, e)  # stock's own error propagates
         fall_back(cls, _why(e))
         warn_if_traced_inline(cls, args)
         return out
@@ -360,13 +360,39 @@ def call(cls: type, args: tuple, kwargs: dict):
             raise
         if rng is not None:
             torch.set_rng_state(rng)
-        out = ORIGINAL_APPLY(cls, *args, **kwargs)  # stock's own error propagates
+        out = _stock_instead(cls, args, kwargs, e)  # stock's own error propagates
         fall_back(cls, f"its op failed ({_why(e)})")
         warn_if_traced_inline(cls, args)
         return out
     if first:
         fn.auto_checked.add(ov.name)
     return out
+
+
+def _stock_instead(cls: type, args: tuple, kwargs: dict, why: BaseException):
+    """The ordinary Function's call after its op failed with `why`.
+
+    Note [No raw torch error from a fall-back]: when a traced forward cannot
+    run on fake tensors (a solver layer such as qpth's QPFunction, whose
+    stand-in runs fail its own checks) and the ordinary Function fails under
+    the same trace (a guard on data-dependent values), stock's error says
+    nothing of the fix; the call raises the FakeForwardError, which names it
+    (a ``fake`` staticmethod), chained from stock's error, after the usual
+    fall-back warning. An eager call's error is stock's own, unchanged."""
+    try:
+        return ORIGINAL_APPLY(cls, *args, **kwargs)
+    except Exception as stock:
+        from ..errors import FakeForwardError
+
+        if control_flow(stock) or not isinstance(why, FakeForwardError) or not _tracing(args):
+            raise
+        fall_back(cls, _why(why))
+        first = (str(stock).strip().splitlines() or [""])[0]
+        raise FakeForwardError(
+            f"{why}\ntorch_opaque.auto() traced {cls.__qualname__} as an ordinary "
+            f"autograd.Function instead, which fails under this trace too "
+            f"({type(stock).__name__}: {first})"
+        ) from stock
 
 
 def check_recording(ov, values) -> None:
