@@ -73,7 +73,6 @@ import collections.abc
 import contextlib
 import os
 import sys
-import sysconfig
 import threading
 import types
 from typing import Optional
@@ -163,10 +162,12 @@ def _is_users_class(v) -> bool:
     path = getattr(mod, "__file__", None) or ""
     if not path:  # builtins, or a class made at run time: __main__-like
         return mod is not None and v.__module__ not in sys.builtin_module_names
-    return not path.startswith((_TORCH_DIR, _STDLIB))
+    if path.startswith(_TORCH_DIR):
+        return False
+    return not path.startswith(_STDLIB) or any(d in path for d in ("site-packages", "dist-packages"))
 
 
-_STDLIB = sysconfig.get_paths()["stdlib"] + os.sep
+_STDLIB = os.path.dirname(os.__file__) + os.sep  # (sysconfig would import more)
 
 
 def _items(v):
