@@ -113,6 +113,12 @@ def user_functions(fn) -> list:
     funcs = [(cls.forward, not fn.setup_style)]
     if fn.setup_style:
         funcs.append((cls.setup_context, True))
+    return _unwrapped(funcs)
+
+
+def _unwrapped(funcs) -> list:
+    """(function, has ctx) pairs: each function with those it wraps, the user's only,
+    and the helpers they call (with_helpers)."""
     out, seen = [], set()
     for f, has_ctx in funcs:
         while f is not None and id(f) not in seen:
@@ -246,14 +252,7 @@ def _names(code) -> set:
 def functions_of(*callables) -> list:
     """(function, None) for the user's Python functions among `callables`
     (with those they wrap), as ``user_functions`` gives them for a class."""
-    out, seen = [], set()
-    for f in callables:
-        while f is not None and id(f) not in seen:
-            seen.add(id(f))
-            if isinstance(f, types.FunctionType) and not f.__code__.co_filename.startswith(_TORCH_DIR):
-                out.append((f, None))
-            f = getattr(f, "__wrapped__", None)
-    return with_helpers(out)
+    return _unwrapped([(f, None) for f in callables])
 
 
 class Watch:
