@@ -3,7 +3,10 @@
 #include <torch_opaque/forward_record.h>
 #include <torch_opaque/opaque_op.h>
 
+#include "../../csrc/autograd_kernel.h"  // Note [Raw saved tensors]
+
 #include <gtest/gtest.h>
+#include <torch/csrc/autograd/saved_variable_hooks.h>
 #include <torch/torch.h>
 
 #include <atomic>
@@ -335,4 +338,48 @@ TEST(OpaqueOp, EagerStateReachesTheBackwardKernelUnencoded) {
   auto bwd = c10::Dispatcher::singleton().findSchemaOrThrow(
       ("opaque_test::" + name + "_bwd").c_str(), "");
   EXPECT_EQ(torch_opaque::current_eager_state(bwd.schema()), nullptr);
+}
+
+namespace {
+
+// Saved-tensor hooks set on one saved tensor after the forward ran, as
+// `grad_fn._raw_saved_tensors[i].register_hooks(pack, unpack)` does from Python.
+struct CountingHooks final : torch::autograd::SavedVariableHooks {
+  int* packs;
+  int* unpacks;
+  at::Tensor packed;
+  CountingHooks(int* p, int* u) : packs(p), unpacks(u) {}
+  void call_pack_hook(const at::Tensor& t) override {
+    ++*packs;
+    packed = t.detach().clone();
+  }
+  at::Tensor call_unpack_hook() override {
+    ++*unpacks;
+    return packed * 2;  // the backward sees what the unpack hook gives
+  }
+};
+
+} // namespace
+
+TEST(OpaqueOp, RawSavedVariablesTakeHooksAfterTheForward) {
+  auto name = unique_name("sin");
+  torch_opaque::define_op(scaled_sin_definition(name));
+  auto x = torch::tensor({0.5, -1.0}, torch::kDouble).requires_grad_();
+  auto y = call("opaque_test::" + name, {x, 3.0});
+  auto& saved = torch_opaque::detail::opaque_node_saved_variables(*y.grad_fn());
+  ASSERT_EQ(saved.size(), 1u);
+  int packs = 0, unpacks = 0;
+  saved[0].register_hooks(std::make_unique<CountingHooks>(&packs, &unpacks));
+  EXPECT_EQ(packs, 1);
+  EXPECT_THROW(saved[0].register_hooks(std::make_unique<CountingHooks>(&packs, &unpacks)),
+               c10::Error);
+  auto g = torch::autograd::grad({y.sum()}, {x})[0];
+  EXPECT_EQ(unpacks, 1);
+  EXPECT_TRUE(torch::allclose(g, (x.detach() * 2).cos() * 3));
+  try {
+    torch_opaque::detail::opaque_node_saved_variables(*y.grad_fn());
+    FAIL() << "expected an error";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("freed"), std::string::npos) << e.what();
+  }
 }
