@@ -5,6 +5,7 @@ tests/hooks/test_compile_side_effects.py."""
 import functools
 import math
 import types
+import weakref
 
 import pytest
 import torch
@@ -319,3 +320,15 @@ def test_eager_first_call_of_a_clean_forward_sees_nothing():
     fn = _fn(_clean)
     fn.cls.apply(torch.ones(2, requires_grad=True), [2])
     assert fn.side_effects is None
+
+
+def test_torch_opaques_own_wrappers_are_not_watched_but_what_they_wrap_is():
+    """auto()'s guarded backward holds the user's backward in a closure: its
+    registries are torch_opaque's, never put back; the user's function is watched."""
+
+    def user_backward(ctx, g):
+        LOG.append(g)
+        return g
+
+    guarded = _function._guard_backward(user_backward, weakref.ref(torch.autograd.Function))
+    assert [f for f, _ in side_effects.functions_of(guarded)] == [user_backward]

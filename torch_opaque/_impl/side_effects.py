@@ -103,6 +103,7 @@ _OPAQUE_TYPES = (
 
 
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+_OWN_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # torch_opaque/
 
 
 def user_functions(fn) -> list:
@@ -120,12 +121,21 @@ def _unwrapped(funcs) -> list:
     """(function, has ctx) pairs: each function with those it wraps, the user's only,
     and the helpers they call (with_helpers)."""
     out, seen = [], set()
-    for f, has_ctx in funcs:
+    todo = list(funcs)
+    while todo:
+        f, has_ctx = todo.pop(0)
         while f is not None and id(f) not in seen:
             seen.add(id(f))
             # (torch's own wrappers, such as torch.compile's around a compiled
-            # forward, are not the user's: their globals are Dynamo's state)
-            if isinstance(f, types.FunctionType) and not f.__code__.co_filename.startswith(_TORCH_DIR):
+            # forward, are not the user's: their globals are Dynamo's state;
+            # torch_opaque's own, such as auto()'s guarded backward, hold the
+            # user's function in a closure cell: their registries are ours)
+            if isinstance(f, types.FunctionType) and f.__code__.co_filename.startswith(_OWN_DIR):
+                for cell in f.__closure__ or ():
+                    v = _cell(cell)[0]()
+                    if isinstance(v, types.FunctionType):
+                        todo.append((v, has_ctx))
+            elif isinstance(f, types.FunctionType) and not f.__code__.co_filename.startswith(_TORCH_DIR):
                 out.append((f, has_ctx))
             f = getattr(f, "__wrapped__", None)
     return with_helpers(out)
@@ -146,7 +156,7 @@ def with_helpers(funcs: list, depth: int = 2, limit: int = 32) -> list:
                 if (
                     isinstance(h, types.FunctionType)
                     and id(h) not in seen
-                    and not h.__code__.co_filename.startswith(_TORCH_DIR)
+                    and not h.__code__.co_filename.startswith((_TORCH_DIR, _OWN_DIR))
                     and len(out) < limit
                 ):
                     seen.add(id(h))
