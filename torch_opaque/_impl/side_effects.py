@@ -71,6 +71,7 @@ from __future__ import annotations
 import collections
 import collections.abc
 import contextlib
+import functools
 import os
 import sys
 import threading
@@ -151,7 +152,7 @@ def with_helpers(funcs: list, depth: int = 2, limit: int = 32) -> list:
         nxt = []
         for f in frontier:
             g = f.__globals__
-            for name in sorted(_names(f.__code__)):
+            for name in _names(f.__code__):
                 h = g.get(name)
                 if (
                     isinstance(h, types.FunctionType)
@@ -251,12 +252,14 @@ def _attrs(t) -> tuple:
 _DYNAMO_MARK = "_dynamo_"
 
 
-def _names(code) -> set:
+@functools.lru_cache(maxsize=4096)
+def _names(code) -> tuple:
+    """The global names `code` (nested code included) uses, sorted (each fake run asks)."""
     names = set(code.co_names)
     for c in code.co_consts:
         if isinstance(c, types.CodeType):
-            names |= _names(c)
-    return names
+            names.update(_names(c))
+    return tuple(sorted(names))
 
 
 def functions_of(*callables) -> list:
@@ -288,7 +291,7 @@ class Watch:
         self.cells = []  # (description, getter, setter, snapshot, contents)
         for f, _ in user_functions(fn) if fn is not None else functions:
             g = f.__globals__
-            for name in sorted(_names(f.__code__)):
+            for name in _names(f.__code__):
                 if name in g:
                     self._add(f"global '{name}'", *_global(g, name))
             for name, cell in zip(f.__code__.co_freevars, f.__closure__ or ()):
