@@ -39,13 +39,27 @@ def stock_functions():
             cls.apply = apply
 
 
-def reference(make, xs) -> dict:
+def _run_stock(make, xs) -> dict:
     with stock_functions():
         inputs = [x.clone().requires_grad_() for x in xs]
         y = make()(*inputs)
         cotangent = torch.randn(y.shape, generator=torch.Generator().manual_seed(11))
         (y * cotangent).sum().backward()
     return {"xs": list(xs), "y": y.detach(), "cotangent": cotangent, "grads": [x.grad for x in inputs]}
+
+
+def reference(make, xs) -> dict:
+    """Eager stock runs at the example batch and at another one (the program's
+    batch dimension is dynamic): the first input with 3 of its rows again."""
+    other = (torch.cat([xs[0], xs[0][:3]]), *xs[1:])
+    return {"runs": [_run_stock(make, xs), _run_stock(make, other)]}
+
+
+def export(make, xs):
+    batch = {0: torch.export.Dim("batch", min=2)}
+    dims = (batch,) + (None,) * (len(xs) - 1)
+    module = make()
+    return torch.export.export(module, tuple(xs), dynamic_shapes=dims if not isinstance(module, hopops.Apply) else (dims,))
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +71,7 @@ def archives(tmp_path_factory):
         ref = reference(make, xs)
         torch.save(ref, d / f"{case}.ref.pt")
         make()(*xs)  # (defines the overloads eagerly; see docs/limits.md on while_loop)
-        ep = torch.export.export(make(), tuple(xs))
+        ep = export(make, xs)
         torch_opaque.save(ep, d / f"{case}.sc.pt2", self_contained=True)
         torch_opaque.save(ep, d / f"{case}.pt2")
         torch.export.save(ep, d / f"{case}.stock.pt2")
