@@ -33,8 +33,10 @@ zip reading), graph_grammar.py / sym_expr.py / op_policy.py (the grammar of the
 graph, of symbolic sizes, and the operators a loaded program may call),
 program.py (pt2 programs read without unpickling), reader.py (what an archive
 holds, for load and inspect), values.py (stored argument values), saving.py /
-trace.py (writing; tracing calls to ATen), loading.py / stored.py (loading; ops
-re-created from stored programs).
+trace.py (writing; tracing calls to ATen), hop_forms.py / optional_outputs.py
+(what torch's serializer cannot write by itself: higher-order ops, ``Tensor?[]``
+results), readback.py (save reads back what it wrote), loading.py / stored.py
+(loading; ops re-created from stored programs).
 
 Example::
 

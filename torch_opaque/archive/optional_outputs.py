@@ -32,7 +32,7 @@ import threading
 import torch
 
 _LOCK = threading.Lock()
-_ACTIVE = [0]
+_PATCHES: dict = {}  # attribute -> [users, original]
 
 
 def _returns_optional_tensor_list(target) -> bool:
@@ -71,32 +71,44 @@ def _serialize_optional_list(self, node, Argument) -> list:
 
 
 @contextlib.contextmanager
-def optional_tensor_list_results():
-    """While active, torch's graph serializer writes ``Tensor?[]`` op results
-    (Note [Serializing Tensor?[] results]). Reentrant and thread-safe: the
-    patch is installed once and removed by the last user."""
+def serializer_patch(attr: str, make):
+    """While active, torch's ``GraphModuleSerializer.<attr>`` is ``make(original)``.
+    Reentrant and thread-safe: each patch is installed once and removed by its
+    last user (also used by Note [Higher-order ops in archives], hop_forms.py)."""
     from torch._export.serde import serialize as serde
-    from torch._export.serde.schema import Argument
 
     cls = serde.GraphModuleSerializer
     with _LOCK:
-        if _ACTIVE[0] == 0:
-            original = cls.__dict__["serialize_outputs"]
-
-            def serialize_outputs(self, node):
-                if node.op == "call_function" and _returns_optional_tensor_list(node.target) and (
-                    isinstance(node.meta.get("val"), (list, tuple))
-                ):
-                    return _serialize_optional_list(self, node, Argument)
-                return original(self, node)
-
-            serialize_outputs._torch_opaque_original = original
-            cls.serialize_outputs = serialize_outputs
-        _ACTIVE[0] += 1
+        entry = _PATCHES.get(attr)
+        if entry is None:
+            original = cls.__dict__[attr]
+            entry = _PATCHES[attr] = [0, original]
+            setattr(cls, attr, make(original))
+        entry[0] += 1
     try:
         yield
     finally:
         with _LOCK:
-            _ACTIVE[0] -= 1
-            if _ACTIVE[0] == 0:
-                cls.serialize_outputs = cls.__dict__["serialize_outputs"]._torch_opaque_original
+            entry[0] -= 1
+            if entry[0] == 0:
+                setattr(cls, attr, entry[1])
+                del _PATCHES[attr]
+
+
+def _optional_list_outputs(original):
+    from torch._export.serde.schema import Argument
+
+    def serialize_outputs(self, node):
+        if node.op == "call_function" and _returns_optional_tensor_list(node.target) and (
+            isinstance(node.meta.get("val"), (list, tuple))
+        ):
+            return _serialize_optional_list(self, node, Argument)
+        return original(self, node)
+
+    return serialize_outputs
+
+
+def optional_tensor_list_results():
+    """While active, torch's graph serializer writes ``Tensor?[]`` op results
+    (Note [Serializing Tensor?[] results])."""
+    return serializer_patch("serialize_outputs", _optional_list_outputs)

@@ -56,6 +56,7 @@ import torch
 
 from ..errors import ArchiveError
 from .graph_grammar import check_program_json
+from .hop_forms import read_empty_results
 from .op_policy import check_stored_graph, sym_targets
 from .zipio import ArchiveLimits, ZipReader
 
@@ -503,6 +504,7 @@ def deserialize(model_json, tensors: tuple, description: str, where: str, rename
     try:
         with gc_paused():
             serialized = check_model_json(model_json, where, description, rename, limits).program
+            read_empty_results(serialized)  # Note [Higher-order ops in archives]
             ep = serialize.ExportedProgramDeserializer(None).deserialize(serialized, state_dict, constants, None)
     except ArchiveError:
         raise

@@ -11,13 +11,13 @@ import torch
 
 from ..errors import ArchiveError
 from ..ops import opaque_info, opaque_nodes, schema_or_none
+from ..passes import _graph_modules  # (a graph module and its HOPs' subgraphs)
 from .._impl.function import function_for_op
 from .._impl.schema import schema_arguments
 from . import stored as S
-from .optional_outputs import optional_tensor_list_results
 from .manifest import MANIFEST, Calls, Manifest, OpEntry, OverloadRecord
 from .trace import store_overload
-from .zipio import describe
+from .readback import write_checked
 
 
 @dataclasses.dataclass
@@ -35,10 +35,6 @@ class _OpCalls:
 
     def overload_packet(self, overload: str):
         return getattr(getattr(getattr(torch.ops, self.namespace), self.name), overload)
-
-
-def _graph_modules(ep) -> list:
-    return [m for m in ep.graph_module.modules() if isinstance(m, torch.fx.GraphModule)]
 
 
 # The higher-order ops that functionalization wraps a mutating op's call in
@@ -140,7 +136,7 @@ def save(ep, path, *, self_contained: bool = False) -> None:
             f"torch_opaque.save expects a torch.export.ExportedProgram, got {type(ep).__name__}"
         )
     records: dict = {}
-    worklist = _collect(_graph_modules(ep), records, count=True)
+    worklist = _collect(_graph_modules(ep.graph_module), records, count=True)
     files: dict = {}
     stored_variants: dict = {}  # (ns, name, overload) -> list of VariantRecord
     counter = [0]
@@ -161,7 +157,7 @@ def save(ep, path, *, self_contained: bool = False) -> None:
                 )
             variants, programs = store_overload(rec, overload, files, counter, _function(rec), sov)
             stored_variants[(rec.namespace, rec.name, overload)] = variants
-            worklist += _collect(programs, records, count=False)
+            worklist += _collect([m for p in programs for m in _graph_modules(p)], records, count=False)
     ops = []
     for key in sorted(records):
         rec = records[key]
@@ -189,8 +185,4 @@ def save(ep, path, *, self_contained: bool = False) -> None:
     )
     extra = {MANIFEST: manifest.to_json()}
     extra.update(files)
-    try:
-        with optional_tensor_list_results():  # Name_bwd results (training programs)
-            torch.export.save(ep, path, extra_files=extra)
-    except RuntimeError as e:
-        raise ArchiveError(f"torch_opaque.save: cannot write {describe(path)}: {e}") from e
+    write_checked(ep, path, extra)  # Note [Saving reads back what it wrote]

@@ -5,9 +5,7 @@ with torch.export and described by a :class:`~.manifest.VariantRecord`
 
 from __future__ import annotations
 
-import base64
 import dataclasses
-import io
 import json
 from typing import Optional
 
@@ -18,7 +16,7 @@ from .._impl.kernels import BackwardRunner, Runner
 from .._impl.cpp_kernels import CppBackward, CppRunner
 from .._impl.tracing import BackwardTrace, CallTemplate, ForwardTrace, size_hint, trace_to_aten
 from ..errors import ArchiveError
-from .optional_outputs import optional_tensor_list_results
+from .readback import stored_program_bytes
 from .manifest import PROGRAM_PREFIX, SAVED_KIND_NAMES, ArgRecord, SavedRecord, TensorSig, VariantRecord
 from .._impl.calls import full_args, tensor_kind
 from .values import decode_value, dtype_name, encode_value, normalize_value
@@ -102,13 +100,6 @@ def _template(desc) -> CallTemplate:
     return CallTemplate([slots[d["kind"]](d) for d in desc])
 
 
-def _program_bytes(prog) -> str:
-    buf = io.BytesIO()
-    with optional_tensor_list_results():
-        torch.export.save(prog, buf)
-    return base64.b64encode(buf.getvalue()).decode("ascii")
-
-
 def _export(module, flat, dyn, what: str):
     try:
         return trace_to_aten(module, flat, dyn)
@@ -186,7 +177,10 @@ def store_overload(rec, overload: str, files: dict, counter: list, fn, stored) -
                 f"the defining module), or make forward/backward traceable."
             ) from e
         entry.id = len(variants)
-        payload = {"fwd": _program_bytes(fwd_prog), "bwd": _program_bytes(bwd_prog)}
+        payload = {  # (read back as load reads them: Note [Saving reads back what it wrote])
+            which: stored_program_bytes(prog, f"the stored {which} program of {qual}")
+            for which, prog in (("fwd", fwd_prog), ("bwd", bwd_prog))
+        }
         _add_programs(entry, payload, files, counter)
         variants.append(entry)
         programs += [fwd_prog.graph_module, bwd_prog.graph_module]
