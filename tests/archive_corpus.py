@@ -392,12 +392,16 @@ def _died(rc) -> str:
     return f"exited with status {rc}"
 
 
-def run_cases(cases, tmp_path, marker, case_cpu_kill_s: float = CASE_CPU_KILL_S, as_limit_mib: int = 0) -> dict:
+def run_cases(
+    cases, tmp_path, marker, case_cpu_kill_s: float = CASE_CPU_KILL_S, as_limit_mib: int = 0,
+    script: str = "load_and_inspect_cases.py", with_fixtures: bool = True,
+) -> dict:  # fmt: skip
     """Loads, inspects and runs each case (name, path, load options, ...) in a
-    fresh interpreter (tests/support/scripts/load_and_inspect_cases.py, working
-    directory `tmp_path`): name -> its result. A case the interpreter died in
-    gets {"died": how}, and the cases after it run in a fresh interpreter.
-    `as_limit_mib`: the child's address-space limit (RLIMIT_AS), 0 for none."""
+    fresh interpreter (`script` in tests/support/scripts, working directory
+    `tmp_path`; `with_fixtures`: tests/ on its path): name -> its result. A case
+    the interpreter died in gets {"died": how}, and the cases after it run in a
+    fresh interpreter. `as_limit_mib`: the child's address-space limit
+    (RLIMIT_AS), 0 for none."""
     import subprocess
 
     from support.processes import run_python
@@ -409,8 +413,8 @@ def run_cases(cases, tmp_path, marker, case_cpu_kill_s: float = CASE_CPU_KILL_S,
         spec.write_text(json.dumps([{"name": c[0], "path": str(c[1]), "options": c[2]} for c in todo]))
         try:
             proc = run_python(
-                script="load_and_inspect_cases.py", args=[marker, spec, case_cpu_kill_s, as_limit_mib],
-                cwd=tmp_path, with_fixtures=True, timeout=600,
+                script=script, args=[marker, spec, case_cpu_kill_s, as_limit_mib],
+                cwd=tmp_path, with_fixtures=with_fixtures, timeout=600,
             )  # fmt: skip
             out, err, rc = proc.stdout, proc.stderr, proc.returncode
         except subprocess.TimeoutExpired as e:

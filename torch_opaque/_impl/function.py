@@ -552,7 +552,10 @@ class OpaqueFunction:
             is_fake(v) for v in _flat_tensors(values)
         ) or torch._guards.detect_fake_mode() is not None
 
-        with _disable_current_modes(), FakeTensorMode(allow_non_fake_inputs=True):
+        # no torch-function mode either: export's would record the forward's
+        # grad-mode changes as empty regions of the program being traced
+        with _disable_current_modes(), torch._C.DisableTorchFunction(), \
+                FakeTensorMode(allow_non_fake_inputs=True):
 
             from .context import ForwardContext
 

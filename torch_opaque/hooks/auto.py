@@ -404,7 +404,10 @@ def check_recording(ov, values) -> None:
     from torch.utils._python_dispatch import _disable_current_modes
 
     runner = ov.fake_runner
-    with _disable_current_modes(), FakeTensorMode(allow_non_fake_inputs=True), torch.no_grad():
+    # no torch-function mode either: export's would record the no_grad below
+    # (and any in the forward) as an empty region of the program
+    with _disable_current_modes(), torch._C.DisableTorchFunction(), \
+            FakeTensorMode(allow_non_fake_inputs=True), torch.no_grad():
         args = [real_shaped(v) for v in values]
         needs = [isinstance(v, torch.Tensor) for v in values]
         runner.run(needs, args, runner.guarded_forward, runner.guarded_setup)
