@@ -171,6 +171,26 @@ class RecomputeGelu(torch.autograd.Function):
         return tuple(next(got) if t.requires_grad else None for t in (x_, w_))
 
 
+@torch_opaque.op(name="StateRecomputeSaved")
+class RecomputeOnSaved(torch.autograd.Function):
+    """Recomputes from the saved tensors themselves under enable_grad (they
+    require grad in eager's backward) and differentiates with respect to them."""
+
+    @staticmethod
+    def forward(ctx, x, weight):
+        ctx.save_for_backward(x, weight)
+        return torch.tanh(x @ weight)
+
+    @staticmethod
+    def backward(ctx, g):
+        x, weight = ctx.saved_tensors
+        with torch.enable_grad():
+            y = torch.tanh(x @ weight)
+        wanted = [t for t, need in zip((x, weight), ctx.needs_input_grad) if need]
+        got = iter(torch.autograd.grad(y, wanted, g * 1.5))
+        return tuple(next(got) if need else None for need in ctx.needs_input_grad)
+
+
 class RecomputeNet(torch.nn.Module):
     def __init__(self):
         super().__init__()
@@ -178,7 +198,7 @@ class RecomputeNet(torch.nn.Module):
         self.weight = torch.nn.Parameter(torch.randn(4, 3))
 
     def forward(self, x):
-        return RecomputeGelu.apply(x, self.weight)
+        return RecomputeGelu.apply(x, self.weight) + RecomputeOnSaved.apply(x, self.weight)
 
 
 @torch_opaque.op(name="StateFakeQuant")

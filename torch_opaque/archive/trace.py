@@ -117,7 +117,35 @@ def _export(module, flat, dyn, what: str):
     try:
         return trace_to_aten(module, flat, dyn)
     except Exception as e:
+        if what == "backward" and _FAKE_CONSTANT in str(e):
+            return _export_aten_ir(module, flat, dyn, e)
         raise RuntimeError(f"torch.export of the {what} failed: {type(e).__name__}: {e}") from e
+
+
+# Note [Backwards traced to the ATen IR]
+# torch.export's training IR keeps a grad-mode region (``with
+# torch.enable_grad():`` inside a backward that grad mode off runs) as a
+# higher-order op around its ops; a backward that builds an autograd graph in
+# the region and calls torch.autograd.grad after it (the recompute pattern)
+# then leaks fake tensors into the program's constants ("We found a fake
+# tensor in the exported program constant's list"). Traced to the ATen IR
+# (torch.export without pre-dispatch, as run_decompositions gives), grad mode
+# takes effect while tracing and autograd.grad's ATen ops are recorded, so
+# such a backward is traced that way; every other program keeps the training IR.
+_FAKE_CONSTANT = "fake tensor in the exported program constant"
+
+
+def _export_aten_ir(module, flat, dyn, first: Exception):
+    from torch.export import _trace
+
+    try:
+        return _trace._export(module, (list(flat),), dynamic_shapes=(list(dyn),), strict=False,
+                              pre_dispatch=False)
+    except Exception as e:
+        raise RuntimeError(
+            f"torch.export of the backward failed: {type(first).__name__}: {first}; traced to "
+            f"the ATen IR too: {type(e).__name__}: {e}"
+        ) from e
 
 
 def _add_programs(variant: VariantRecord, payload: dict, files: dict, counter: list) -> None:
@@ -314,6 +342,15 @@ def _differentiable(t) -> bool:
     return t.dtype.is_floating_point or t.dtype.is_complex
 
 
+def _flags(flat) -> list:
+    return [isinstance(x, torch.Tensor) and x.requires_grad for x in flat]
+
+
+def _plain(flat) -> list:
+    """The traced inputs themselves require no grad (tracing.requiring_grad)."""
+    return [x.detach() if isinstance(x, torch.Tensor) else x for x in flat]
+
+
 def _as_at_call(desc, flat) -> list:
     """``flat`` with each floating-point Tensor argument requiring grad (Note
     [Stored programs run in eager's state]); tensor-list items as given."""
@@ -344,13 +381,14 @@ def _trace_variant(runner, backward, n_out, desc, flat, dyn) -> tuple:
             for _ in d.get("items", ()):
                 next(tensors)
     records: list = []
-    fwd_mod = ForwardTrace(runner, template, needs, records.append, state_ints=True)
+    fwd_mod = ForwardTrace(runner, template, needs, records.append, state_ints=True,
+                           requires_grad=_flags(flat))
     with torch.no_grad():
-        fwd_prog = _export(fwd_mod, flat, dyn, "forward")
+        fwd_prog = _export(fwd_mod, _plain(flat), dyn, "forward")
     saved, non_diff, materialize, state, state_ints = records[-1]
     n_ints = len(state_ints)
     with torch.no_grad():
-        res = list(fwd_prog.module()(flat))
+        res = list(fwd_prog.module()(_plain(flat)))
     n_res = len(res) - n_out - n_ints
     outs, residuals, ints = res[:n_out], res[n_out : n_out + n_res], res[n_out + n_res :]
     nd_out = [bool(x) for x in non_diff] + [False] * (n_out - len(non_diff))
@@ -409,11 +447,12 @@ def _trace_variant(runner, backward, n_out, desc, flat, dyn) -> tuple:
         grad_slot = ("L", n_out) if all(defined) else ("O", tuple(not d for d in defined))
         bwd_template = CallTemplate([("O", saved_none), grad_slot, ("C", needs), ("C", state),
                                      ("IL", n_ints)])
-        bwd_mod = BackwardTrace(backward, bwd_template, report=box.append)
         b_flat = saved_flat + [g for g, _ in given] + int_flat
         b_dyn = saved_dyn + [d for _, d in given] + int_dyn
+        bwd_mod = BackwardTrace(backward, bwd_template, report=box.append,
+                                requires_grad=_flags(b_flat))
         with torch.no_grad():
-            prog = _export(bwd_mod, b_flat, b_dyn, "backward")
+            prog = _export(bwd_mod, _plain(b_flat), b_dyn, "backward")
         if not box or any(p != box[0] for p in box):
             raise RuntimeError("the backward returns gradients for different inputs when traced")
         return list(box[-1]), prog
