@@ -323,7 +323,11 @@ def make_backward_fake(runner: BackwardRunner, fn_name: str) -> Callable:
     def _fake_backward(saved, grads, needs_input_grad, state, state_ints):
         values = [list(saved), list(grads), list(state_ints)]
         try:
-            with dynamo_disabled(), fake_from_real.discarding_fresh_unbacked(values, ignore=True):
+            # grad mode off, as eager autograd runs a backward (Note [Stored
+            # programs run in eager's state] in archive/trace.py); the fake's
+            # own ops are not recorded, only its gradients' shapes are used
+            with dynamo_disabled(), torch.no_grad(), \
+                    fake_from_real.discarding_fresh_unbacked(values, ignore=True):
                 return list(runner(saved, grads, needs_input_grad, state, state_ints)[0])
         except Exception as e:
             why = ""

@@ -206,6 +206,17 @@ class CallTemplate:
         return args
 
 
+def requiring_grad(flat: Sequence, flags: Optional[Sequence[bool]]) -> list:
+    """``flat`` with the tensors ``flags`` marks made to require grad, inside the
+    trace: each a detached leaf of the traced input (torch.export's own
+    placeholders requiring grad leak fake tensors into the program's constants
+    when a body differentiates with respect to them)."""
+    flat = list(flat)
+    if flags is None:
+        return flat
+    return [x.detach().requires_grad_() if f else x for x, f in zip(flat, flags)]
+
+
 class ForwardTrace(torch.nn.Module):
     """The user's forward for one kind of call, as a module torch.export traces:
     ``flat`` (tensors, then symbolic ints) -> outputs, and when the call is
@@ -216,18 +227,22 @@ class ForwardTrace(torch.nn.Module):
     tracing requires). needs_input_grad is the rebuilt call's own trailing one
     (a ``Name_fwd`` call), else ``needs`` (None: not recorded). ``report``
     receives the forward record; it is kept outside the module's state, since
-    torch.export restores state reachable from the module after tracing."""
+    torch.export restores state reachable from the module after tracing.
+    ``requires_grad``: per item of ``flat``, whether the forward sees it
+    requiring grad (:func:`requiring_grad`)."""
 
     def __init__(self, runner, template: CallTemplate, needs: Optional[Sequence[bool]] = None,
-                 report: Optional[Callable] = None, state_ints: bool = False):
+                 report: Optional[Callable] = None, state_ints: bool = False,
+                 requires_grad: Optional[Sequence[bool]] = None):
         super().__init__()
         self.runner, self.template = runner, template
         self.needs = tuple(needs) if needs is not None else None
         self._report = report
         self.state_ints = state_ints
+        self.requires_grad = requires_grad
 
     def forward(self, flat):
-        args = self.template.rebuild(list(flat))
+        args = self.template.rebuild(requiring_grad(flat, self.requires_grad))
         args, _, needs = self.runner.signature.split_needs_input_grad(args, {})
         needs = tuple(bool(n) for n in needs) if needs is not None else self.needs
         with dynamo_disabled():
@@ -249,17 +264,20 @@ class BackwardTrace(torch.nn.Module):
     arguments from ``flat``. ``positions``: the arguments whose gradients the
     program returns (a gradient traced as None there is an error); None: those
     the backward returns, told to ``report`` (kept outside the module's state,
-    as for :class:`ForwardTrace`)."""
+    as for :class:`ForwardTrace`). ``requires_grad``: as for :class:`ForwardTrace`."""
 
     def __init__(self, backward: Callable, template: CallTemplate,
-                 positions: Optional[Sequence[int]] = None, report: Optional[Callable] = None):
+                 positions: Optional[Sequence[int]] = None, report: Optional[Callable] = None,
+                 requires_grad: Optional[Sequence[bool]] = None):
         super().__init__()
         self.backward, self.template = backward, template
         self.positions = tuple(positions) if positions is not None else None
         self._report = report
+        self.requires_grad = requires_grad
 
     def forward(self, flat):
-        saved, grads, needs, state, state_ints = self.template.rebuild(list(flat))
+        flat = requiring_grad(flat, self.requires_grad)
+        saved, grads, needs, state, state_ints = self.template.rebuild(flat)
         with dynamo_disabled():
             res = self.backward(list(saved), list(grads), list(needs), state, list(state_ints))
         positions = self.positions

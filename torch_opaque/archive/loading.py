@@ -361,7 +361,7 @@ def _read_programs(z: ZipReader, contents: ArchiveContents, plan: list) -> dict:
     for _action, _op, missing in plan:
         for ov in missing:
             for v in ov.variants:
-                for name in (v.fwd, v.bwd):
+                for name in v.program_names():
                     entry = contents.extra.get(name)
                     if entry is None:
                         raise ArchiveError(

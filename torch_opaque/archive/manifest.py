@@ -104,8 +104,22 @@ class SavedRecord:
 
 
 @dataclasses.dataclass
+class PartialBackward:
+    """A stored backward for calls whose output gradients are not all defined
+    (materialize-grads off: Note [Stored programs run in eager's state] in
+    archive/trace.py)."""
+
+    defined: list  # bool per output: whether its gradient is an input of the program
+    grads: list  # argument positions the program returns gradients for
+    bwd: str  # extra file name of the program
+
+    def to_json(self) -> dict:
+        return {"defined": list(self.defined), "grads": list(self.grads), "bwd": self.bwd}
+
+
+@dataclasses.dataclass
 class VariantRecord:
-    """One kind of call of an overload, with its two stored programs."""
+    """One kind of call of an overload, with its stored programs."""
 
     id: int
     args: list  # ArgRecord
@@ -115,11 +129,19 @@ class VariantRecord:
     non_differentiable: list  # bool per output
     grads: list  # argument positions the stored backward returns gradients for
     fwd: str  # extra file names of the programs
-    bwd: str
+    bwd: Optional[str]  # None: the backward could not be traced (bwd_error says why)
     # the ctx state string the Function's forward recorded for this kind of call:
     # a training program's Name_bwd calls carry it (Note [Stored backward of
     # training programs] in stored.py); None in archives written before.
     state: Optional[str] = None
+    materialize: bool = True  # ctx.set_materialize_grads as the forward set it
+    partial: list = dataclasses.field(default_factory=list)  # PartialBackward
+    bwd_error: Optional[str] = None  # why the backward was not stored
+
+    def program_names(self) -> list:
+        """The extra file names of every program of this kind of call."""
+        names = [self.fwd] + ([self.bwd] if self.bwd is not None else [])
+        return names + [p.bwd for p in self.partial]
 
     def saved_codes(self) -> list:
         """The (kind, index, item) integer triples the C++ forward record uses."""
@@ -138,8 +160,11 @@ class VariantRecord:
             "non_differentiable": list(self.non_differentiable),
             "grads": list(self.grads),
             "fwd": self.fwd,
-            "bwd": self.bwd,
+            **({"bwd": self.bwd} if self.bwd is not None else {}),
             **({"state": self.state} if self.state is not None else {}),
+            **({"materialize": False} if not self.materialize else {}),
+            **({"partial": [p.to_json() for p in self.partial]} if self.partial else {}),
+            **({"bwd_error": self.bwd_error} if self.bwd_error is not None else {}),
         }
 
 
@@ -221,7 +246,7 @@ class Manifest:
     version: int = VERSION
 
     def program_names(self) -> list:
-        return [n for op in self.ops for ov in op.overloads for v in ov.variants for n in (v.fwd, v.bwd)]
+        return [n for op in self.ops for ov in op.overloads for v in ov.variants for n in v.program_names()]
 
     def targets(self) -> set:
         """'torch.ops.ns.name.overload' of every overload the manifest describes,
@@ -398,6 +423,8 @@ def _variant(version: int, position: int, n_out: int, n_args: int):
                 raise _Invalid(g, f"residual {s.index} of {n_res}")
         non_diff = o.get("non_differentiable", _list(_bool, n_out))
         grads = o.get("grads", _list(_int(0, max(n_args, 1)), n_args))
+        bwd_error = o.get("bwd_error", _str(max_len=1 << 12), default=None)
+        program = _str(_PROGRAM_RE, 64)
         return VariantRecord(
             id=vid,
             args=args,
@@ -407,11 +434,32 @@ def _variant(version: int, position: int, n_out: int, n_args: int):
             non_differentiable=non_diff,
             grads=grads,
             fwd=o.get("fwd", _str(_PROGRAM_RE, 64)),
-            bwd=o.get("bwd", _str(_PROGRAM_RE, 64)),
+            bwd=o.get("bwd", program, **({"default": None} if bwd_error is not None else {})),
             state=o.get("state", _str(max_len=1 << 16), default=None),
+            materialize=o.get("materialize", _bool, default=True),
+            partial=_partials(o, n_out, n_args),
+            bwd_error=bwd_error,
         )
 
     return check
+
+
+def _partials(o: "_Obj", n_out: int, n_args: int) -> list:
+    """A variant's PartialBackward records: one per pattern of defined output
+    gradients, never the pattern where all are defined (that is ``bwd``)."""
+    out, seen = [], set()
+    for i, x in enumerate(o.get("partial", _list(lambda x, g: x, 1 << 8), default=[])):
+        p = _Obj(x, f"{o.field('partial')}[{i}]")
+        defined = p.get("defined", _list(_bool, n_out))
+        if len(defined) != n_out or all(defined) or tuple(defined) in seen:
+            raise _Invalid(p.field("defined"), f"expected a new pattern of {n_out} bools, not all true")
+        seen.add(tuple(defined))
+        out.append(PartialBackward(
+            defined=defined,
+            grads=p.get("grads", _list(_int(0, max(n_args, 1)), n_args)),
+            bwd=p.get("bwd", _str(_PROGRAM_RE, 64)),
+        ))
+    return out
 
 
 def _same_arguments(written: str, arguments: str) -> bool:

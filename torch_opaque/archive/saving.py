@@ -121,13 +121,22 @@ def _overload_record(rec: _OpCalls, overload: str) -> OverloadRecord:
     return ov
 
 
+def _warn_once(warned: set, key, message: str) -> None:
+    if key not in warned:
+        warned.add(key)
+        warnings.warn(message, UserWarning, stacklevel=5)
+
+
 def save(ep, path, *, self_contained: bool = False) -> None:
     """``torch.export.save`` plus a manifest of the program's opaque ops.
 
     ``self_contained=True`` also stores each op's forward and backward traced to
     ATen (Note [Self-contained archives]), so a process without the defining
     module can load, run and train the program. Raises ArchiveError naming the
-    op when an op cannot be traced (and then writes nothing). Ops the program
+    op when an op cannot be traced (and then writes nothing); an inference
+    program whose op's backward alone cannot be traced is saved with its
+    forward only, with one warning per op (Note [Stored programs run in
+    eager's state] in trace.py). Ops the program
     runs from stored programs (it was loaded from a self-contained archive)
     keep them in any case.
     """
@@ -140,6 +149,7 @@ def save(ep, path, *, self_contained: bool = False) -> None:
     files: dict = {}
     stored_variants: dict = {}  # (ns, name, overload) -> list of VariantRecord
     counter = [0]
+    warned: set = set()  # ops whose left-out backward save warned about
     while worklist:
         key = worklist.pop(0)
         rec = records[key]
@@ -155,7 +165,8 @@ def save(ep, path, *, self_contained: bool = False) -> None:
                     f"(ctx.mark_dirty); self-contained archives cannot store in-place ops yet. "
                     f"Save without self_contained=True (the loading process imports the module)."
                 )
-            variants, programs = store_overload(rec, overload, files, counter, _function(rec), sov)
+            variants, programs = store_overload(rec, overload, files, counter, _function(rec), sov,
+                                                warn=lambda m, key=key: _warn_once(warned, key, m))
             stored_variants[(rec.namespace, rec.name, overload)] = variants
             worklist += _collect([m for p in programs for m in _graph_modules(p)], records, count=False)
     ops = []

@@ -25,12 +25,35 @@ from .._impl.calls import CallSignature, full_args, tensor_flags
 from .values import decode_value, dtype_name, encode_value, normalize_value
 
 
+def _program_module(text: str, which: str, description: str, qual: str, limits, rename: dict):
+    where = f"the stored {which} program of {qual}"
+    try:
+        data = base64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError) as e:
+        raise ArchiveError(
+            f"torch_opaque.load: {where} in {description} cannot be read (not base64: "
+            f"{e}); the archive is corrupted."
+        ) from e
+    try:
+        prog = program_from_bytes(data, description, where, limits, rename)
+        return module_of(prog, where, description)
+    except ArchiveError as e:
+        raise ArchiveError(f"{e} (The stored {which} program is corrupted or crafted.)") from e
+
+
+def variant_payload(v: VariantRecord, payloads: dict) -> dict:
+    """The base64 texts of a variant's programs: "fwd", "bwd" (None when not
+    stored) and "partial" (in the order of ``v.partial``)."""
+    return {"fwd": payloads[v.fwd], "bwd": None if v.bwd is None else payloads[v.bwd],
+            "partial": [payloads[p.bwd] for p in v.partial]}
+
+
 class _Variant:
     """One stored kind of call: its record and, once deserialized, its programs."""
 
     def __init__(self, record: VariantRecord, payload: dict, schema):
         self.record = record
-        self.payload = payload  # "fwd"/"bwd" -> base64 text (kept for re-saving)
+        self.payload = payload  # variant_payload(): base64 texts (kept for re-saving)
         self.id = record.id
         self.args = record.args
         self.n_res = record.n_residuals
@@ -39,26 +62,49 @@ class _Variant:
         self.saved_none = [s.kind == "none" for s in record.saved]
         self.non_diff = list(record.non_differentiable)
         self.grads = list(record.grads)
+        self.materialize = record.materialize
         self.schema = schema
         self.fwd = None
         self.bwd = None
+        self.partial: dict = {}  # defined-gradient pattern -> (positions, module)
 
     def deserialize(self, description: str, qual: str, limits, rename: dict) -> None:
-        for which in ("fwd", "bwd"):
-            where = f"the stored {which} program of {qual}"
-            try:
-                data = base64.b64decode(self.payload[which], validate=True)
-            except (binascii.Error, ValueError) as e:
-                raise ArchiveError(
-                    f"torch_opaque.load: {where} in {description} cannot be read (not base64: "
-                    f"{e}); the archive is corrupted."
-                ) from e
-            try:
-                prog = program_from_bytes(data, description, where, limits, rename)
-                module = module_of(prog, where, description)
-            except ArchiveError as e:
-                raise ArchiveError(f"{e} (The stored {which} program is corrupted or crafted.)") from e
-            setattr(self, which, module)
+        texts = [("fwd", self.payload["fwd"]), ("bwd", self.payload["bwd"])]
+        texts += [("bwd", t) for t in self.payload["partial"]]
+        modules = [None if text is None else _program_module(text, which, description, qual, limits, rename)
+                   for which, text in texts]  # fmt: skip
+        self.fwd, self.bwd = modules[0], modules[1]
+        self.partial = {tuple(p.defined): (list(p.grads), m)
+                        for p, m in zip(self.record.partial, modules[2:])}
+
+    def modules(self) -> list:
+        return [m for m in (self.fwd, self.bwd, *(m for _, m in self.partial.values())) if m is not None]
+
+    def backward_program(self, qual: str, grads) -> tuple:
+        """(positions, program, program inputs from ``grads``) of a backward call:
+        the stored backward, or the one for this pattern of undefined output
+        gradients (Note [Stored programs run in eager's state] in trace.py)."""
+        if self.bwd is None:
+            raise RuntimeError(
+                f"torch_opaque: {self.record.bwd_error or f'the backward of {qual} was not stored'}, "
+                f"so the self-contained archive this op was loaded from holds its forward only: "
+                f"run it for inference (torch.no_grad()), or make the backward traceable and save "
+                f"again (or load with allow=[<defining module>] to run the original Function)."
+            )
+        defined = tuple(g is not None for g in grads)
+        if all(defined):
+            return self.grads, self.bwd, list(grads)
+        if defined in self.partial:
+            positions, module = self.partial[defined]
+            return positions, module, [g for g in grads if g is not None]
+        undefined = [k for k, d in enumerate(defined) if not d]
+        raise RuntimeError(
+            f"torch_opaque: {qual} (re-created from stored programs) got undefined gradients "
+            f"for output(s) {undefined}, and its archive stores no backward for them ("
+            + ("its forward materializes gradients" if self.materialize else
+               "the backward could not be traced with them undefined, or the op has more "
+               "than 4 outputs") + "); make every output take part in the loss."
+        )
 
     def match(self, args, fake: bool) -> Optional[list]:
         """The flat program inputs for this call, or None when not covered."""
@@ -210,21 +256,22 @@ class StoredOverload:
         ]
         ctx.save_for_backward(*saved)
         ctx.mark_non_differentiable(*(o for o, nd in zip(outs, v.non_diff) if nd))
+        ctx.set_materialize_grads(v.materialize)
         ctx.stored_state = (str(v.id), list(ints))  # read by _StoredRunner.encode_ctx
         return tuple(outs)
 
     def backward(self, ctx, *grads):
-        v = ctx.variant
+        v = getattr(ctx, "variant", None)
+        if v is None:
+            # a training program's call with an empty state (a Function that
+            # keeps no ctx attributes): the bridge decodes no attributes
+            v = self._variant_of_state("", tuple(ctx.saved_tensors))
         flat = [t for t, none in zip(ctx.saved_tensors, v.saved_none) if not none]
-        if any(g is None for g in grads):
-            raise RuntimeError(
-                f"torch_opaque: {self.qual}.{self.overload} (re-created from stored programs) "
-                f"got an undefined output gradient; its stored backward needs all of them."
-            )
-        out = v.bwd([*flat, *grads, *ctx.state_ints])
+        positions, program, given = v.backward_program(f"{self.qual}.{self.overload}", grads)
+        out = program([*flat, *given, *getattr(ctx, "state_ints", ())])
         out = list(out) if isinstance(out, (tuple, list)) else [out]
         res = [None] * len(self.schema.arguments)
-        for pos, g in zip(v.grads, out):
+        for pos, g in zip(positions, out):
             if ctx.needs_input_grad[pos]:
                 res[pos] = g
         return tuple(res)
@@ -259,7 +306,7 @@ class StoredOverload:
         outs = list(unalias(tuple(outs), inputs))
         residuals = list(unalias(tuple(residuals), inputs + outs))
         if needs is not None:
-            _C.set_forward_record(list(v.saved), list(v.non_diff), True, str(v.id), list(ints))
+            _C.set_forward_record(list(v.saved), list(v.non_diff), v.materialize, str(v.id), list(ints))
         return (*outs, residuals)
 
     def fake_op(self, *args, **kwargs):
@@ -269,10 +316,11 @@ class StoredOverload:
     def fake_bwd(self, saved, grads, needs_input_grad, state, state_ints):
         v = self._variant_of_state(state, saved)
         flat = [t for t, none in zip(saved, v.saved_none) if not none]
-        out = v.bwd.forward([*flat, *grads, *state_ints])
+        positions, program, given = v.backward_program(f"{self.qual}.{self.overload}", grads)
+        out = program.forward([*flat, *given, *state_ints])
         out = list(out) if isinstance(out, (tuple, list)) else [out]
         res = [None] * len(self.schema.arguments)
-        for pos, g in zip(v.grads, out):
+        for pos, g in zip(positions, out):
             if needs_input_grad[pos]:
                 res[pos] = g
         inputs = [t for t in (*saved, *grads) if t is not None]
@@ -400,10 +448,12 @@ def stored_name(ov: OverloadRecord, payloads: dict) -> str:
     h.update(str(ov.n_out).encode())
     for v in ov.variants:
         d = v.to_json()
-        d.pop("fwd"), d.pop("bwd")
+        d.pop("fwd"), d.pop("bwd", None)
+        for part in d.get("partial", ()):
+            part.pop("bwd")
         h.update(json.dumps(d, sort_keys=True).encode())
-        for which in ("fwd", "bwd"):
-            h.update(payloads[getattr(v, which)].encode())
+        for name in v.program_names():
+            h.update(payloads[name].encode())
     base = _STORED_SUFFIX.sub("", ov.overload)
     return f"{base}_stored_{h.hexdigest()[:12]}"
 
@@ -433,7 +483,7 @@ def define_stored(op: OpEntry, ov: OverloadRecord, payloads: dict, registered: s
 def _define(op: OpEntry, ov: OverloadRecord, payloads: dict, registered: str) -> StoredOverload:
     ns, name = op.namespace, op.name
     schema = torch._C.parse_schema(ov.schema)
-    variants = [_Variant(v, {w: payloads[getattr(v, w)] for w in ("fwd", "bwd")}, schema) for v in ov.variants]
+    variants = [_Variant(v, variant_payload(v, payloads), schema) for v in ov.variants]
     record = OverloadRecord(**{**ov.__dict__})
     sov = StoredOverload(op, record, registered, schema, variants)
     _C.define_op(
