@@ -19,6 +19,8 @@ from .._impl import function as F
 from .._impl.schema import schema_arguments, specs_from_values
 from . import stored as S
 from .manifest import MODULE_RE, Manifest, OpEntry, OverloadRecord, bad_manifest
+from .call_graph import check_call_graph
+from .fingerprint import FUNCTION_CHANGED, definition_to_run
 from .program import check_model_json, deserialize, read_tensors
 from .reader import ArchiveContents, read_contents
 from .zipio import ArchiveLimits, ZipReader, describe
@@ -198,7 +200,13 @@ def _resolve_class(module, qualname: Optional[str]):
     return obj
 
 
-def _register_from_module(op_entry: OpEntry, missing: list, description: str) -> None:
+class _RunStored(Exception):
+    """The imported module's Function is not the archive's, and the caller
+    chose its stored programs (Note [Function fingerprints])."""
+
+
+def _register_from_module(op_entry: OpEntry, missing: list, description: str,
+                          function_changed: str = "error") -> None:
     ns, name, module_name = op_entry.namespace, op_entry.name, op_entry.module
     module = importlib.import_module(module_name)
     fn = F.function_for_op(ns, name)
@@ -213,6 +221,10 @@ def _register_from_module(op_entry: OpEntry, missing: list, description: str) ->
                 f"{op_entry.cls} in module {module_name}; the module was imported but "
                 f"has no such autograd.Function."
             )
+        if definition_to_run(
+            op_entry, cls, description, function_changed, all(ov.variants for ov in missing)
+        ) == "stored":
+            raise _RunStored()
         existing = F.lookup(cls)
         if existing is not None and (existing.namespace, existing.name) != (ns, name):
             raise ArchiveError(
@@ -291,14 +303,23 @@ def _missing_message(description: str, path_repr: str, problems: list, allow: li
     return "\n".join(lines)
 
 
-def _plan(manifest: Manifest, path, description: str, allow: list, allow_all: bool) -> list:
+def _plan(manifest: Manifest, path, description: str, allow: list, allow_all: bool,
+          function_changed: str = "error") -> list:
     """(action, op entry, missing overloads) for every op the process lacks,
     decided before anything is imported; OpNotAllowedError lists the ops no
-    allowed module or stored program can provide."""
+    allowed module or stored program can provide. An op whose Function the
+    process has with another definition than the archive's is refused, or run
+    as ``function_changed`` says (Note [Function fingerprints])."""
     plan = []
     problems = []
     for op in manifest.ops:
         ns, name = op.namespace, op.name
+        own = F.function_for_op(ns, name) or _registered_variant(op)
+        if own is not None and definition_to_run(
+            op, own.cls, description, function_changed, all(ov.variants for ov in op.overloads)
+        ) == "stored":
+            plan.append(("stored", op, list(op.overloads)))
+            continue
         missing = []
         for ov in op.overloads:
             if is_opaque_triple(ns, name, ov.overload):
@@ -356,8 +377,17 @@ def _plan(manifest: Manifest, path, description: str, allow: list, allow_all: bo
 
 
 def _read_programs(z: ZipReader, contents: ArchiveContents, plan: list) -> dict:
-    """extra file name -> stored program text, for every variant the plan may need."""
+    """extra file name -> stored program text, for every variant the plan may need;
+    at most ``ArchiveLimits.programs`` of them (Note [Stored call graph])."""
     out = {}
+    needed = {n for _a, _o, missing in plan for ov in missing for v in ov.variants for n in (v.fwd, v.bwd)}
+    if len(needed) > z.limits.programs:
+        raise ArchiveError(
+            f"torch_opaque.load: {z.description} holds {len(needed)} stored programs for the ops "
+            f"it re-creates, more than the programs limit of {z.limits.programs} (each costs "
+            f"tens of milliseconds of CPU to read). Raise it with "
+            f"limits=ArchiveLimits(programs=...) if you trust the file."
+        )
     for _action, _op, missing in plan:
         for ov in missing:
             for v in ov.variants:
@@ -372,7 +402,8 @@ def _read_programs(z: ZipReader, contents: ArchiveContents, plan: list) -> dict:
     return out
 
 
-def _prepare_ops(plan: list, programs: dict, description: str, limits: ArchiveLimits) -> dict:
+def _prepare_ops(plan: list, programs: dict, description: str, limits: ArchiveLimits,
+                 function_changed: str = "error") -> dict:
     """Makes every planned op available; returns the renames of serialized call
     targets to stored overloads (Note [Stored ops beside real ones])."""
     rename: dict = {}
@@ -385,8 +416,10 @@ def _prepare_ops(plan: list, programs: dict, description: str, limits: ArchiveLi
             continue
         if action == "import":
             try:
-                _register_from_module(op, missing, description)
+                _register_from_module(op, missing, description, function_changed)
                 continue
+            except _RunStored:
+                pass
             except ImportError as e:
                 if not all(ov.variants for ov in missing):
                     raise ArchiveError(
@@ -414,7 +447,21 @@ def _prepare_ops(plan: list, programs: dict, description: str, limits: ArchiveLi
     # Deserialize the stored programs once every op (they may call each other) exists.
     for sov in created:
         sov.deserialize(description, limits, rename)
+    _check_stored_calls(created, description, limits)
     return rename
+
+
+def _check_stored_calls(created: list, description: str, limits: ArchiveLimits) -> None:
+    """Note [Stored call graph] (call_graph.py): a refused archive leaves the
+    overloads it defined without programs, and not ready."""
+    try:
+        check_call_graph(created, S.all_stored(), description, limits.call_depth)
+    except ArchiveError:
+        for sov in created:
+            sov.ready = False
+            for v in sov.variants:
+                v.fwd = v.bwd = None
+        raise
 
 
 def _check_plain(contents: ArchiveContents) -> None:
@@ -439,6 +486,7 @@ def load(
     allow: Iterable[str] = (),
     allow_all: bool = False,
     limits: Optional[ArchiveLimits] = None,
+    function_changed: str = "error",
 ):
     """The exported program of a .pt2 archive, its opaque ops re-registered first.
 
@@ -454,7 +502,18 @@ def load(
     ones]). ``limits``: the largest sizes read (:class:`ArchiveLimits`, Note
     [Size limits]). Corrupted, truncated, oversized or crafted files raise
     ArchiveError naming the file, the part and the cause.
+
+    ``function_changed``: what runs when a Function this process has (or an
+    allowed module defines) is not the definition the archive was saved with
+    (Note [Function fingerprints] in fingerprint.py): ``"error"`` (default)
+    refuses the archive, ``"run_process"`` runs this process's definition,
+    ``"run_stored"`` the programs a self-contained archive stored.
     """
+    if function_changed not in FUNCTION_CHANGED:
+        raise ValueError(
+            f"torch_opaque.load: function_changed must be one of {', '.join(map(repr, FUNCTION_CHANGED))}, "
+            f"got {function_changed!r}"
+        )
     if isinstance(allow, str):
         allow = [allow]
     allow = list(allow)
@@ -486,7 +545,7 @@ def load(
         if contents.manifest is None:
             plan, programs = [], {}
         else:
-            plan = _plan(contents.manifest, path, description, allow, allow_all)
+            plan = _plan(contents.manifest, path, description, allow, allow_all, function_changed)
             programs = _read_programs(z, contents, plan)
-    rename = _prepare_ops(plan, programs, description, limits)
+    rename = _prepare_ops(plan, programs, description, limits, function_changed)
     return deserialize(model, tensors, description, where, rename, limits)
