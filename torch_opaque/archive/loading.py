@@ -21,6 +21,7 @@ from . import stored as S
 from .manifest import MODULE_RE, Manifest, OpEntry, OverloadRecord, bad_manifest
 from .call_graph import check_call_graph
 from .fingerprint import FUNCTION_CHANGED, definition_to_run
+from .own_ops import fake_outputs
 from .program import check_model_json, deserialize, read_tensors
 from .reader import ArchiveContents, read_contents
 from .zipio import ArchiveLimits, ZipReader, describe
@@ -72,10 +73,12 @@ def _refuse_claim(fn, ov: OverloadRecord, field: str, claimed, actual, source: s
     )
 
 
-def _check_claims(fn, ov: OverloadRecord, description: str) -> None:
+def _check_claims(fn, ov: OverloadRecord, description: str, probe=None) -> None:
     """Refuses an archive whose outputs of ``ov`` (n_out, returns_tuple, dirty)
-    differ from what this process's Function is known to give without running
-    it: an overload it already has, or its return annotation."""
+    differ from what this process's Function is known to give: an overload it
+    already has, its return annotation, or else (``probe``: the specs and
+    example values of the overload) its forward run on fake tensors (Note
+    [The caller's own ops])."""
     have = fn.overloads.get(ov.overload)
     if have is not None:
         source = (
@@ -100,6 +103,17 @@ def _check_claims(fn, ov: OverloadRecord, description: str) -> None:
             raise _refuse_claim(
                 fn, ov, "returns_tuple", ov.returns_tuple, returns_tuple, source, description
             )
+    learnt = None
+    if probe is not None and (fn.returns_hint is None or (fn.dirty and fn.dirty_pairs is None)):
+        learnt = fake_outputs(fn, *probe)
+    if learnt is not None:
+        source = "its forward, run on fake tensors while loading"
+        n_out, returns_tuple = learnt
+        for field, actual, claimed in (
+            ("n_out", n_out, ov.n_out), ("returns_tuple", bool(returns_tuple), bool(ov.returns_tuple))
+        ):
+            if actual != claimed:
+                raise _refuse_claim(fn, ov, field, claimed, actual, source, description)
     if fn.dirty and fn.dirty_pairs is not None and tuple(fn.dirty_pairs) != tuple(map(tuple, ov.dirty)):
         raise _refuse_claim(
             fn, ov, "dirty", ov.dirty, fn.dirty_pairs, "what its forward marked dirty", description
@@ -138,6 +152,7 @@ def _python_overload(fn, ov: OverloadRecord, description: str) -> Optional[tuple
             )
         _check_claims(fn, ov, description)
         return None
+    values = None
     if fn.hint_specs is not None and overload == "default":
         specs, name = fn.hint_specs, ""  # (a call whose values the hints do not
         # carry has an overload from its values: Note [Hints are advice])
@@ -173,7 +188,7 @@ def _python_overload(fn, ov: OverloadRecord, description: str) -> Optional[tuple
             f"{'arguments' if fn.dirty else 'no argument'} in place, but {description} was saved "
             f"with {ov.schema}; the Function changed since the archive was written."
         )
-    _check_claims(fn, ov, description)
+    _check_claims(fn, ov, description, None if values is None else (specs, values))
     return name, specs
 
 

@@ -285,20 +285,7 @@ class ZipReader:
         return count, cd_size, cd_end - cd_size, zip64
 
     def _check_central_directory(self) -> None:
-        """Note [Entries are streamed, never shared]
-Only the two methods pt2 archives use are read: stored (torch writes every
-entry so) and deflate (zip tools recompress with it). zipfile inflates deflate
-in bounded steps (a ``max_length`` per read), but hands a bzip2 or LZMA entry's
-whole compressed input to the decompressor in one call, so such an entry
-inflates past its declared size before a read could stop: those methods (and
-any other) are refused by name from the central directory, before anything
-is read. Each entry must also own its bytes: the span of its local header
-(read from the file: 30 bytes, its name, its extra field) and its compressed
-data may not overlap the next entry's, nor the central directory. Entries
-sharing one deflate stream would each pass the ratio cap while the file as a
-whole inflates without bound.
-
-Note [Central directory before zipfile]."""
+        """Note [Central directory before zipfile]."""
         end = self._end_record()
         if end is None:
             return  # not a zip file: zipfile says so
