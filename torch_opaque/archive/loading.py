@@ -220,6 +220,13 @@ class _RunStored(Exception):
     chose its stored programs (Note [Function fingerprints])."""
 
 
+def _identity(op_entry: OpEntry, cls, missing: list, description: str, function_changed: str) -> None:
+    if definition_to_run(
+        op_entry, cls, description, function_changed, all(ov.variants for ov in missing)
+    ) == "stored":
+        raise _RunStored()
+
+
 def _register_from_module(op_entry: OpEntry, missing: list, description: str,
                           function_changed: str = "error") -> None:
     ns, name, module_name = op_entry.namespace, op_entry.name, op_entry.module
@@ -236,10 +243,7 @@ def _register_from_module(op_entry: OpEntry, missing: list, description: str,
                 f"{op_entry.cls} in module {module_name}; the module was imported but "
                 f"has no such autograd.Function."
             )
-        if definition_to_run(
-            op_entry, cls, description, function_changed, all(ov.variants for ov in missing)
-        ) == "stored":
-            raise _RunStored()
+        _identity(op_entry, cls, missing, description, function_changed)
         existing = F.lookup(cls)
         if existing is not None and (existing.namespace, existing.name) != (ns, name):
             raise ArchiveError(
@@ -248,6 +252,8 @@ def _register_from_module(op_entry: OpEntry, missing: list, description: str,
             )
         F.wrap(cls, name=name, namespace=ns, _patch_apply=False)
         fn = F.function_for_op(ns, name)
+    else:  # (the module registered it as it was imported)
+        _identity(op_entry, fn.cls, missing, description, function_changed)
     for ov in missing:  # every overload checked before any is defined
         _python_overload(fn, ov, description)
     for ov in missing:

@@ -3,9 +3,10 @@ each error or result; a crash fails the test that started this process.
 
 argv: cases (JSON list of {"path", "options", "run"}); "options" may hold
 "limits" (ArchiveLimits fields). "run": the program is called on
-torch.ones(<run>) and the sum of its output reported."""
+torch.ones(<run>) and the sum of its output reported. "import_first": a
+module this process imports before loading (a Function it owns)."""
 
-import json, sys, warnings
+import importlib, json, sys, warnings
 import torch, torch_opaque
 from torch_opaque.archive import ArchiveLimits
 
@@ -17,6 +18,8 @@ for case in json.loads(sys.argv[1]):
     report = {"error": None, "value": None, "warnings": []}
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
+        if case.get("import_first"):
+            importlib.import_module(case["import_first"])
         try:
             ep = torch_opaque.load(case["path"], **options)
             if case.get("run"):
