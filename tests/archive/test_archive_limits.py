@@ -35,14 +35,17 @@ def net(tmp_path_factory):
     return d / "net.pt2"
 
 
-def central_directory_zip(path, records: int, declared=None, zip64: bool = True) -> None:
+def central_directory_zip(path, records: int, declared=None, zip64: bool = True, distinct: bool = False) -> None:
     """A zip of `records` central-directory records (distinct names, all
-    pointing at one empty local entry); its end record declares `declared`
-    entries (default: `records`), through the zip64 records or not."""
-    local = struct.pack("<4s5H3L2H", b"PK\x03\x04", 20, 0, 0, 0, 0x21, 0, 0, 0, 5, 0) + b"a/xxx"
+    pointing at one empty local entry, or each at its own with `distinct`); its
+    end record declares `declared` entries (default: `records`), through the
+    zip64 records or not."""
+    one = struct.pack("<4s5H3L2H", b"PK\x03\x04", 20, 0, 0, 0, 0x21, 0, 0, 0, 9, 0)
+    local = b"".join(one + b"a/%07d" % i for i in range(records if distinct else 1))
     head = struct.pack("<4s6H3L", b"PK\x01\x02", 20, 20, 0, 0, 0, 0x21, 0, 0, 0)
     cd = b"".join(
-        head + struct.pack("<5H2L", 9, 0, 0, 0, 0, 0, 0) + b"a/%07d" % i for i in range(records)
+        head + struct.pack("<5H2L", 9, 0, 0, 0, 0, 0, (len(one) + 9) * i if distinct else 0) + b"a/%07d" % i
+        for i in range(records)
     )
     n = records if declared is None else declared
     out = local + cd
@@ -136,7 +139,7 @@ def test_huge_central_directory_refused_before_zipfile_parses_it(net, tmp_path):
 @pytest.mark.parametrize("zip64", [False, True])
 def test_entry_count_over_the_limit_from_the_end_record(tmp_path, zip64):
     p = tmp_path / "z.pt2"
-    central_directory_zip(p, 2000, zip64=zip64)
+    central_directory_zip(p, 2000, zip64=zip64, distinct=True)
     for src in (p, io.BytesIO(p.read_bytes())):
         with pytest.raises(torch_opaque.ArchiveError, match=r"has 2000 entries, more than the limit of 1000 .*ArchiveLimits\(entries="):
             ZipReader(src, "z.pt2", ArchiveLimits(entries=1000))
@@ -158,7 +161,7 @@ def test_saturated_classic_end_record_counts_records_up_to_the_limit(tmp_path):
     """A classic end record saying 65535 (writers without zip64 saturate it)
     stands for any number of records: they are counted up to the limit."""
     p = tmp_path / "z.pt2"
-    central_directory_zip(p, 70_000, declared=0xFFFF, zip64=False)
+    central_directory_zip(p, 70_000, declared=0xFFFF, zip64=False, distinct=True)
     with ZipReader(p, "z.pt2", ArchiveLimits()) as z:
         assert len(z.names) == 70_000
     with pytest.raises(torch_opaque.ArchiveError, match=r"has at least 66001 entries, more than the limit of 66000"):

@@ -26,7 +26,12 @@ own (Note [The graph grammar] in graph_grammar.py, sym_expr.py for symbolic
 sizes, manifest.py) and may call only the operators of Note [Operators a loaded
 program may call] (op_policy.py); the only code that may run is that of the
 modules the caller allows. An archive never changes a Function the process owns
-(Note [Archive claims] in _impl/function.py).
+(Note [Archive claims] in _impl/function.py, Note [The caller's own ops] in
+own_ops.py), and a Function whose definition changed since saving is refused
+or run as ``load(function_changed=)`` says (Note [Function fingerprints] in
+fingerprint.py); the stored programs' call graph is acyclic and bounded (Note
+[Stored call graph] in call_graph.py). docs/shipping.md's trust model lists
+what loading and running guarantee, with the limits.
 
 Files: manifest.py (the typed manifest and its one reader), zipio.py (bounded
 zip reading), graph_grammar.py / sym_expr.py / op_policy.py (the grammar of the
@@ -36,7 +41,9 @@ holds, for load and inspect), values.py (stored argument values), saving.py /
 trace.py (writing; tracing calls to ATen), hop_forms.py / optional_outputs.py
 (what torch's serializer cannot write by itself: higher-order ops, ``Tensor?[]``
 results), readback.py (save reads back what it wrote), loading.py / stored.py
-(loading; ops re-created from stored programs).
+(loading; ops re-created from stored programs), call_graph.py / fingerprint.py /
+own_ops.py (what loading checks of stored calls, Function identity and the
+process's own Functions).
 
 Example::
 

@@ -48,7 +48,7 @@ from typing import Any, Optional
 
 from ..errors import ArchiveError
 from . import op_policy
-from .sym_expr import SYMBOL_RE, SymExprError, parse_sym_expr
+from .sym_expr import SYMBOL_RE, SymBudget, SymExprError, parse_sym_expr
 
 INT64 = (-(1 << 63), (1 << 63) - 1)
 MAX_NAME = 256
@@ -227,6 +227,7 @@ class _Walker:
         self.custom_ok = custom_ok  # str target -> whether a non-builtin op may be called
         self.facts = ProgramFacts()
         self.graph_depth = 0
+        self.sym_budget = SymBudget.of(limits)  # Note [Symbolic work] in sym_expr.py
 
     def walk(self, tp, v, path: str, owner: str = "", field: str = ""):
         """The schema object `v` stands for, built from checked parts only."""
@@ -357,7 +358,7 @@ class _Walker:
 
     def expr(self, v, path: str):
         try:
-            return parse_sym_expr(v)
+            return parse_sym_expr(v, self.sym_budget)
         except SymExprError as e:
             raise _Invalid(path, f"the symbolic expression {str(v)[:60]!r} is not plain arithmetic of "
                                  f"sizes ({e})") from None  # fmt: skip

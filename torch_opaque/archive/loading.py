@@ -19,6 +19,9 @@ from .._impl import function as F
 from .._impl.schema import schema_arguments, specs_from_values
 from . import stored as S
 from .manifest import MODULE_RE, Manifest, OpEntry, OverloadRecord, bad_manifest
+from .call_graph import check_call_graph
+from .fingerprint import FUNCTION_CHANGED, definition_to_run
+from .own_ops import fake_outputs
 from .program import check_model_json, deserialize, read_tensors
 from .reader import ArchiveContents, read_contents
 from .zipio import ArchiveLimits, ZipReader, describe
@@ -70,10 +73,12 @@ def _refuse_claim(fn, ov: OverloadRecord, field: str, claimed, actual, source: s
     )
 
 
-def _check_claims(fn, ov: OverloadRecord, description: str) -> None:
+def _check_claims(fn, ov: OverloadRecord, description: str, probe=None) -> None:
     """Refuses an archive whose outputs of ``ov`` (n_out, returns_tuple, dirty)
-    differ from what this process's Function is known to give without running
-    it: an overload it already has, or its return annotation."""
+    differ from what this process's Function is known to give: an overload it
+    already has, its return annotation, or else (``probe``: the specs and
+    example values of the overload) its forward run on fake tensors (Note
+    [The caller's own ops])."""
     have = fn.overloads.get(ov.overload)
     if have is not None:
         source = (
@@ -98,6 +103,17 @@ def _check_claims(fn, ov: OverloadRecord, description: str) -> None:
             raise _refuse_claim(
                 fn, ov, "returns_tuple", ov.returns_tuple, returns_tuple, source, description
             )
+    learnt = None
+    if probe is not None and (fn.returns_hint is None or (fn.dirty and fn.dirty_pairs is None)):
+        learnt = fake_outputs(fn, *probe)
+    if learnt is not None:
+        source = "its forward, run on fake tensors while loading"
+        n_out, returns_tuple = learnt
+        for field, actual, claimed in (
+            ("n_out", n_out, ov.n_out), ("returns_tuple", bool(returns_tuple), bool(ov.returns_tuple))
+        ):
+            if actual != claimed:
+                raise _refuse_claim(fn, ov, field, claimed, actual, source, description)
     if fn.dirty and fn.dirty_pairs is not None and tuple(fn.dirty_pairs) != tuple(map(tuple, ov.dirty)):
         raise _refuse_claim(
             fn, ov, "dirty", ov.dirty, fn.dirty_pairs, "what its forward marked dirty", description
@@ -136,6 +152,7 @@ def _python_overload(fn, ov: OverloadRecord, description: str) -> Optional[tuple
             )
         _check_claims(fn, ov, description)
         return None
+    values = None
     if fn.hint_specs is not None and overload == "default":
         specs, name = fn.hint_specs, ""  # (a call whose values the hints do not
         # carry has an overload from its values: Note [Hints are advice])
@@ -171,7 +188,7 @@ def _python_overload(fn, ov: OverloadRecord, description: str) -> Optional[tuple
             f"{'arguments' if fn.dirty else 'no argument'} in place, but {description} was saved "
             f"with {ov.schema}; the Function changed since the archive was written."
         )
-    _check_claims(fn, ov, description)
+    _check_claims(fn, ov, description, None if values is None else (specs, values))
     return name, specs
 
 
@@ -198,7 +215,20 @@ def _resolve_class(module, qualname: Optional[str]):
     return obj
 
 
-def _register_from_module(op_entry: OpEntry, missing: list, description: str) -> None:
+class _RunStored(Exception):
+    """The imported module's Function is not the archive's, and the caller
+    chose its stored programs (Note [Function fingerprints])."""
+
+
+def _identity(op_entry: OpEntry, cls, missing: list, description: str, function_changed: str) -> None:
+    if definition_to_run(
+        op_entry, cls, description, function_changed, all(ov.variants for ov in missing)
+    ) == "stored":
+        raise _RunStored()
+
+
+def _register_from_module(op_entry: OpEntry, missing: list, description: str,
+                          function_changed: str = "error") -> None:
     ns, name, module_name = op_entry.namespace, op_entry.name, op_entry.module
     module = importlib.import_module(module_name)
     fn = F.function_for_op(ns, name)
@@ -213,6 +243,7 @@ def _register_from_module(op_entry: OpEntry, missing: list, description: str) ->
                 f"{op_entry.cls} in module {module_name}; the module was imported but "
                 f"has no such autograd.Function."
             )
+        _identity(op_entry, cls, missing, description, function_changed)
         existing = F.lookup(cls)
         if existing is not None and (existing.namespace, existing.name) != (ns, name):
             raise ArchiveError(
@@ -221,6 +252,8 @@ def _register_from_module(op_entry: OpEntry, missing: list, description: str) ->
             )
         F.wrap(cls, name=name, namespace=ns, _patch_apply=False)
         fn = F.function_for_op(ns, name)
+    else:  # (the module registered it as it was imported)
+        _identity(op_entry, fn.cls, missing, description, function_changed)
     for ov in missing:  # every overload checked before any is defined
         _python_overload(fn, ov, description)
     for ov in missing:
@@ -291,14 +324,23 @@ def _missing_message(description: str, path_repr: str, problems: list, allow: li
     return "\n".join(lines)
 
 
-def _plan(manifest: Manifest, path, description: str, allow: list, allow_all: bool) -> list:
+def _plan(manifest: Manifest, path, description: str, allow: list, allow_all: bool,
+          function_changed: str = "error") -> list:
     """(action, op entry, missing overloads) for every op the process lacks,
     decided before anything is imported; OpNotAllowedError lists the ops no
-    allowed module or stored program can provide."""
+    allowed module or stored program can provide. An op whose Function the
+    process has with another definition than the archive's is refused, or run
+    as ``function_changed`` says (Note [Function fingerprints])."""
     plan = []
     problems = []
     for op in manifest.ops:
         ns, name = op.namespace, op.name
+        own = F.function_for_op(ns, name) or _registered_variant(op)
+        if own is not None and definition_to_run(
+            op, own.cls, description, function_changed, all(ov.variants for ov in op.overloads)
+        ) == "stored":
+            plan.append(("stored", op, list(op.overloads)))
+            continue
         missing = []
         for ov in op.overloads:
             if is_opaque_triple(ns, name, ov.overload):
@@ -356,8 +398,17 @@ def _plan(manifest: Manifest, path, description: str, allow: list, allow_all: bo
 
 
 def _read_programs(z: ZipReader, contents: ArchiveContents, plan: list) -> dict:
-    """extra file name -> stored program text, for every variant the plan may need."""
+    """extra file name -> stored program text, for every variant the plan may need;
+    at most ``ArchiveLimits.programs`` of them (Note [Stored call graph])."""
     out = {}
+    needed = {n for _a, _o, missing in plan for ov in missing for v in ov.variants for n in (v.fwd, v.bwd)}
+    if len(needed) > z.limits.programs:
+        raise ArchiveError(
+            f"torch_opaque.load: {z.description} holds {len(needed)} stored programs for the ops "
+            f"it re-creates, more than the programs limit of {z.limits.programs} (each costs "
+            f"tens of milliseconds of CPU to read). Raise it with "
+            f"limits=ArchiveLimits(programs=...) if you trust the file."
+        )
     for _action, _op, missing in plan:
         for ov in missing:
             for v in ov.variants:
@@ -372,7 +423,8 @@ def _read_programs(z: ZipReader, contents: ArchiveContents, plan: list) -> dict:
     return out
 
 
-def _prepare_ops(plan: list, programs: dict, description: str, limits: ArchiveLimits) -> dict:
+def _prepare_ops(plan: list, programs: dict, description: str, limits: ArchiveLimits,
+                 function_changed: str = "error") -> dict:
     """Makes every planned op available; returns the renames of serialized call
     targets to stored overloads (Note [Stored ops beside real ones])."""
     rename: dict = {}
@@ -385,8 +437,10 @@ def _prepare_ops(plan: list, programs: dict, description: str, limits: ArchiveLi
             continue
         if action == "import":
             try:
-                _register_from_module(op, missing, description)
+                _register_from_module(op, missing, description, function_changed)
                 continue
+            except _RunStored:
+                pass
             except ImportError as e:
                 if not all(ov.variants for ov in missing):
                     raise ArchiveError(
@@ -414,7 +468,21 @@ def _prepare_ops(plan: list, programs: dict, description: str, limits: ArchiveLi
     # Deserialize the stored programs once every op (they may call each other) exists.
     for sov in created:
         sov.deserialize(description, limits, rename)
+    _check_stored_calls(created, description, limits)
     return rename
+
+
+def _check_stored_calls(created: list, description: str, limits: ArchiveLimits) -> None:
+    """Note [Stored call graph] (call_graph.py): a refused archive leaves the
+    overloads it defined without programs, and not ready."""
+    try:
+        check_call_graph(created, S.all_stored(), description, limits.call_depth)
+    except ArchiveError:
+        for sov in created:
+            sov.ready = False
+            for v in sov.variants:
+                v.fwd = v.bwd = None
+        raise
 
 
 def _check_plain(contents: ArchiveContents) -> None:
@@ -439,6 +507,7 @@ def load(
     allow: Iterable[str] = (),
     allow_all: bool = False,
     limits: Optional[ArchiveLimits] = None,
+    function_changed: str = "error",
 ):
     """The exported program of a .pt2 archive, its opaque ops re-registered first.
 
@@ -454,7 +523,18 @@ def load(
     ones]). ``limits``: the largest sizes read (:class:`ArchiveLimits`, Note
     [Size limits]). Corrupted, truncated, oversized or crafted files raise
     ArchiveError naming the file, the part and the cause.
+
+    ``function_changed``: what runs when a Function this process has (or an
+    allowed module defines) is not the definition the archive was saved with
+    (Note [Function fingerprints] in fingerprint.py): ``"error"`` (default)
+    refuses the archive, ``"run_process"`` runs this process's definition,
+    ``"run_stored"`` the programs a self-contained archive stored.
     """
+    if function_changed not in FUNCTION_CHANGED:
+        raise ValueError(
+            f"torch_opaque.load: function_changed must be one of {', '.join(map(repr, FUNCTION_CHANGED))}, "
+            f"got {function_changed!r}"
+        )
     if isinstance(allow, str):
         allow = [allow]
     allow = list(allow)
@@ -486,7 +566,7 @@ def load(
         if contents.manifest is None:
             plan, programs = [], {}
         else:
-            plan = _plan(contents.manifest, path, description, allow, allow_all)
+            plan = _plan(contents.manifest, path, description, allow, allow_all, function_changed)
             programs = _read_programs(z, contents, plan)
-    rename = _prepare_ops(plan, programs, description, limits)
+    rename = _prepare_ops(plan, programs, description, limits, function_changed)
     return deserialize(model, tensors, description, where, rename, limits)

@@ -219,6 +219,7 @@ class OpEntry:
     cls: Optional[str]  # its qualified name
     defined_in: str  # "python" or "c++"
     overloads: list  # OverloadRecord
+    fingerprint: Optional[str] = None  # of the Function's definition (Note [Function fingerprints])
 
     @property
     def qualified_name(self) -> str:
@@ -233,6 +234,7 @@ class OpEntry:
             "class": self.cls,
             "defined_in": self.defined_in,
             "overloads": [o.to_json() for o in self.overloads],
+            **({"fingerprint": self.fingerprint} if self.fingerprint else {}),
         }
 
 
@@ -541,6 +543,7 @@ def _op(version: int):
             cls=cls,
             defined_in=o.get("defined_in", _one_of(("python", "c++")), default="python"),
             overloads=ovs,
+            fingerprint=o.get("fingerprint", _str(re.compile(r"^[0-9a-f]{32}$"), 32), default=None),
         )
 
     return check
@@ -568,8 +571,8 @@ def parse_manifest(raw: bytes, description: str) -> Manifest:
         if version > VERSION:
             raise bad_manifest(
                 description,
-                f"version {version} is not one this torch_opaque reads (<= {VERSION}); "
-                f"upgrade torch_opaque",
+                f"version {version} is not one this torch_opaque reads (it reads versions "
+                f"{', '.join(map(str, range(1, VERSION + 1)))}); upgrade torch_opaque",
             )
         ops = o.get("ops", _list(_op(version), 1 << 16))
         seen = set()

@@ -49,6 +49,7 @@ import gc
 import io
 import pickle
 import re
+import threading
 
 import functools
 
@@ -464,6 +465,38 @@ def archive_root(z: ZipReader) -> str:
     return next(iter(roots)) + "/"
 
 
+# Note [Archive versions]: torch.export.save writes the pt2 layout's format
+# ('archive_format': "pt2") and version ('archive_version': "0") at the root;
+# torch.export.load refuses any other version. A file of another format or of
+# a version torch_opaque does not know is refused by name, with the values it
+# reads, before anything else of it is read (a missing version is 0, as torch
+# reads it; the manifest's own version is checked in manifest.py).
+ARCHIVE_FORMATS = ("pt2",)
+ARCHIVE_VERSIONS = ("0",)
+
+
+def check_archive_version(z: ZipReader, root: str) -> None:
+    """Note [Archive versions]."""
+    for entry, known, what in (
+        ("archive_format", ARCHIVE_FORMATS, "format"),
+        ("archive_version", ARCHIVE_VERSIONS, "version"),
+    ):
+        name = root + entry
+        if name not in z.infos:
+            continue
+        if z.infos[name].file_size > 64:
+            value = f"<{z.infos[name].file_size} bytes>"
+        else:
+            value = z.read(name, "other").decode("utf-8", "replace").strip()
+        if value not in known:
+            raise ArchiveError(
+                f"torch_opaque: {z.description} says its pt2 archive {what} is {value[:40]!r} "
+                f"('{name}'); torch_opaque reads the {what}s {', '.join(map(repr, known))} "
+                f"(what torch.export.save writes). Save the program again with "
+                f"torch_opaque.save, or load it with the torch that wrote it."
+            )
+
+
 def model_names(z: ZipReader, root: str) -> list:
     out = []
     for n in z.names:
@@ -493,6 +526,15 @@ def read_tensors(z: ZipReader, root: str, model: str, description: str) -> tuple
     )
 
 
+# Note [One deserializer at a time]: torch's ExportedProgramDeserializer keeps
+# the program it is reading in a module global (_CURRENT_DESERIALIZER) and
+# refuses to start while another thread's is set, so two threads loading at
+# once failed. Every deserialization (programs and the stored programs they
+# call) holds this lock; re-entrant, as a stored program is read while the
+# loading thread holds nothing else of torch's.
+_DESERIALIZER_LOCK = threading.RLock()
+
+
 def deserialize(model_json, tensors: tuple, description: str, where: str, rename: dict, limits=None):
     """An ExportedProgram from a model's JSON (checked, and renamed in place)
     and its (state_dict, constants); no sample inputs."""
@@ -505,7 +547,10 @@ def deserialize(model_json, tensors: tuple, description: str, where: str, rename
         with gc_paused():
             serialized = check_model_json(model_json, where, description, rename, limits).program
             read_empty_results(serialized)  # Note [Higher-order ops in archives]
-            ep = serialize.ExportedProgramDeserializer(None).deserialize(serialized, state_dict, constants, None)
+            with _DESERIALIZER_LOCK:  # Note [One deserializer at a time]
+                ep = serialize.ExportedProgramDeserializer(None).deserialize(
+                    serialized, state_dict, constants, None
+                )
     except ArchiveError:
         raise
     except Exception as e:
@@ -524,6 +569,7 @@ def program_from_bytes(data: bytes, description: str, where: str, limits, rename
     inner = dataclasses.replace(limits, model=min(limits.model, limits.program), metadata=limits.program * 4)
     with ZipReader(io.BytesIO(data), f"{where} in {description}", inner) as z:
         root = archive_root(z)
+        check_archive_version(z, root)
         names = model_names(z, root)
         if names != ["model"]:
             raise ArchiveError(

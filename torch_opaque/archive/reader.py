@@ -19,7 +19,7 @@ from typing import Optional
 
 from ..errors import ArchiveError
 from .manifest import MANIFEST, Manifest, parse_manifest
-from .program import EXTRA_DIR, archive_root, model_names, read_model_json
+from .program import EXTRA_DIR, archive_root, check_archive_version, model_names, read_model_json
 from .zipio import ArchiveLimits, ZipReader, describe
 
 
@@ -64,6 +64,7 @@ def json_nodes(obj):
 
 def read_contents(z: ZipReader) -> ArchiveContents:
     root = archive_root(z)
+    check_archive_version(z, root)
     manifest = None
     extra = {}
     for name in z.names:

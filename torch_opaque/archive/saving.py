@@ -15,6 +15,7 @@ from ..passes import _graph_modules  # (a graph module and its HOPs' subgraphs)
 from .._impl.function import function_for_op
 from .._impl.schema import schema_arguments
 from . import stored as S
+from .fingerprint import function_fingerprint
 from .manifest import MANIFEST, Calls, Manifest, OpEntry, OverloadRecord
 from .trace import store_overload
 from .readback import write_checked
@@ -90,6 +91,19 @@ def _definition(rec: _OpCalls) -> tuple:
         if sov is not None:
             return sov.op.module, sov.op.cls, sov.op.defined_in
     return None, None, "c++"
+
+
+def _fingerprint(rec: _OpCalls):
+    """Note [Function fingerprints]: of the Function that defines the op, or
+    the one a loaded archive recorded for an op re-created from it."""
+    fn = _function(rec)
+    if fn is not None:
+        return function_fingerprint(fn.cls)
+    for overload in rec.overloads:
+        sov = S.stored_overload(rec.namespace, rec.name, overload)
+        if sov is not None:
+            return sov.op.fingerprint
+    return None
 
 
 def _overload_record(rec: _OpCalls, overload: str) -> OverloadRecord:
@@ -185,7 +199,7 @@ def save(ep, path, *, self_contained: bool = False) -> None:
             ov = _overload_record(rec, overload)
             ov.variants = stored_variants.get((rec.namespace, rec.name, overload), [])
             overloads.append(ov)
-        ops.append(OpEntry(rec.namespace, rec.name, module, cls, defined_in, overloads))
+        ops.append(OpEntry(rec.namespace, rec.name, module, cls, defined_in, overloads, _fingerprint(rec)))
     from .. import __version__  # (inside: the package defines it after importing archive/)
 
     manifest = Manifest(

@@ -405,6 +405,12 @@ def stored_overload(ns: str, name: str, overload: str) -> Optional[StoredOverloa
     return _STORED.get((ns, name, overload))
 
 
+def all_stored() -> dict:
+    """(namespace, name, registered overload) -> StoredOverload, a snapshot."""
+    with _LOCK:
+        return dict(_STORED)
+
+
 def defined_by(ns: str, name: str) -> Optional[str]:
     """'module.Class' of the Function an op re-created here came from, if known."""
     for (sns, sname, _), sov in list(_STORED.items()):

@@ -38,6 +38,18 @@ literals at most ``MAX_DIGITS`` digits, every integer the expression evaluates
 to at most ``MAX_BITS`` bits, and a power or shift whose exponent is a number
 (``Pow(Integer(9), Integer(387420489))``) takes exponents of at most
 ``MAX_EXPONENT`` only, before sympy computes anything.
+
+Note [Symbolic work]
+Bounded text is not bounded CPU: sympy compares the arguments of ``Max``,
+``Min`` and the logic calls pairwise, with assumption queries, so one ``Max`` of
+120 symbols costs about 28 CPU-s. Before such a call is built, its arguments
+are counted against ``ArchiveLimits.sym_args`` (16: a ``Max`` of 16 sums of
+symbols costs about 0.3 CPU-s), the distinct symbols of the expression against
+``sym_symbols`` (32), and the pairs a pairwise call compares (n * (n - 1) / 2)
+are charged to a :class:`SymBudget` of ``sym_work`` pairs (1024, about 2.3 ms
+of CPU each at worst with 16 arguments, so about 2.5 CPU-s) shared by every
+expression of one program. torch writes ``Max``/``Min`` of two or three arguments (a few pairs
+per expression), so real programs stay far below these.
 """
 
 from __future__ import annotations
@@ -56,6 +68,39 @@ MAX_EXPONENT = 64
 
 class SymExprError(ValueError):
     """Text that is not a symbolic size expression of the grammar."""
+
+
+# calls whose arguments sympy compares pairwise (Note [Symbolic work])
+_PAIRWISE = frozenset({"Max", "Min", "And", "Or", "Xor", "Piecewise"})
+
+
+class SymBudget:
+    """The bounds of Note [Symbolic work], and the pairwise comparisons charged
+    so far (one budget per program)."""
+
+    def __init__(self, args: int = 16, symbols: int = 32, work: int = 1024):
+        self.args, self.symbols, self.work = args, symbols, work
+        self.used = 0
+
+    @classmethod
+    def of(cls, limits) -> "SymBudget":
+        return cls(limits.sym_args, limits.sym_symbols, limits.sym_work)
+
+    def charge(self, name: str, n: int, parser: "_Parser", at: int) -> None:
+        if name not in _PAIRWISE:
+            return  # (Add, Mul, ...: linear, bounded by the text's length)
+        if n > self.args:
+            parser.fail(
+                f"{name} of {n} arguments (at most {self.args}: raise "
+                f"ArchiveLimits(sym_args=...) if you trust the file)", at
+            )
+        if n > 1:
+            self.used += n * (n - 1) // 2
+            if self.used > self.work:
+                parser.fail(
+                    f"the program's symbolic expressions compare more than {self.work} pairs of "
+                    f"arguments (raise ArchiveLimits(sym_work=...) if you trust the file)", at
+                )
 
 
 _TOKEN = re.compile(
@@ -119,8 +164,10 @@ def _table() -> tuple:
 
 
 class _Parser:
-    def __init__(self, text: str):
+    def __init__(self, text: str, budget: Optional[SymBudget] = None):
         self.text = text
+        self.budget = budget or SymBudget()
+        self.symbols: set = set()
         self.pos = 0
         self.tok: Optional[tuple] = None
         self.advance()
@@ -173,7 +220,10 @@ class _Parser:
             if args:
                 self.expect(",")
             args.append(self.expr(depth + 1))
+            if len(args) > self.budget.args:
+                self.budget.charge(name, len(args), self, at)
         self.advance()
+        self.budget.charge(name, len(args), self, at)
         return _build(name, functions[name], args, self, at)
 
     def constant(self):
@@ -240,6 +290,12 @@ class _Parser:
         name = self.literal_str()
         if not SYMBOL_RE.match(name):
             self.fail(f"{name!r} is not a size symbol name (s0, u1, ...)")
+        self.symbols.add(name)
+        if len(self.symbols) > self.budget.symbols:
+            self.fail(
+                f"more than {self.budget.symbols} distinct symbols in one expression (raise "
+                f"ArchiveLimits(sym_symbols=...) if you trust the file)"
+            )
         assumptions = {}
         while self.tok == ("punct", ","):
             self.advance()
@@ -276,14 +332,15 @@ def _build(name: str, fn: Callable, args: list, parser: _Parser, at: int):
     return out
 
 
-def parse_sym_expr(text: str):
+def parse_sym_expr(text: str, budget: Optional[SymBudget] = None):
     """The sympy expression that srepr text stands for, built by our own parser
-    (Note [Expressions are parsed, never evaluated]); SymExprError otherwise."""
+    (Note [Expressions are parsed, never evaluated]) within ``budget`` (Note
+    [Symbolic work]; a fresh default one if None); SymExprError otherwise."""
     if not isinstance(text, str):
         raise SymExprError(f"it is a {type(text).__name__}, not text")
     if len(text) > MAX_LENGTH:
         raise SymExprError(f"it is longer than {MAX_LENGTH} characters")
-    p = _Parser(text)
+    p = _Parser(text, budget)
     out = p.expr(0)
     if p.tok is not None:
         p.fail("unexpected text after the expression")

@@ -23,6 +23,19 @@ in chunks and stop at the declared size, so an entry whose header lies cannot
 inflate further; zipfile checks the CRC at the end of each entry. Each kind's
 limit can be raised with ``torch_opaque.load(..., limits=ArchiveLimits(...))``.
 
+Note [Entries are streamed, never shared]
+Only the two methods pt2 archives use are read: stored (torch writes every
+entry so) and deflate (zip tools recompress with it). zipfile inflates deflate
+in bounded steps (a ``max_length`` per read), but hands a bzip2 or LZMA entry's
+whole compressed input to the decompressor in one call, so such an entry
+inflates past its declared size before a read could stop: those methods (and
+any other) are refused by name from the central directory, before anything
+is read. Each entry must also own its bytes: the span of its local header
+(read from the file: 30 bytes, its name, its extra field) and its compressed
+data may not overlap the next entry's, nor the central directory. Entries
+sharing one deflate stream would each pass the ratio cap while the file as a
+whole inflates without bound.
+
 Note [Central directory before zipfile]
 ``zipfile.ZipFile`` builds a ZipInfo for every record of the central directory
 as soon as it opens a file, walking the directory by its declared byte size,
@@ -72,6 +85,12 @@ class ArchiveLimits:
     ratio: int = 200  # inflated / compressed, for entries above 1 MiB
     entries: int = 100_000  # number of entries in the archive
     nodes: int = 50_000  # graph nodes of one program, nested graphs included (~0.4 ms CPU each)
+    programs: int = 1000  # stored programs of a self-contained archive (~35 ms CPU each to read)
+    call_depth: int = 32  # stored programs calling stored programs (Note [Stored call graph])
+    sym_args: int = 16  # arguments of one symbolic-size call (Max, Add, ...; Note [Symbolic work])
+    sym_symbols: int = 32  # distinct size symbols in one expression
+    sym_work: int = 1024  # argument pairs sympy compares, summed over a program's expressions
+    picture_nodes: int = 1000  # nodes `inspect --graph` draws (layout time grows with the square)
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
@@ -104,6 +123,11 @@ _EOCD64 = struct.Struct("<4sQ2H2L4Q")  # 56 bytes, just before the locator
 _EOCD64_SIG = b"PK\x06\x06"
 _CD_RECORD = struct.Struct("<4s4B4HL2L5H2L")  # a central-directory record: 46 bytes + name/extra/comment
 _CD_SIG = b"PK\x01\x02"
+_LOCAL = struct.Struct("<4s5H3L2H")  # a local file header: 30 bytes + name/extra
+_LOCAL_SIG = b"PK\x03\x04"
+# Note [Entries are streamed, never shared]: the methods pt2 archives use
+_METHODS = {zipfile.ZIP_STORED: "stored", zipfile.ZIP_DEFLATED: "deflate"}
+_METHOD_NAMES = {zipfile.ZIP_BZIP2: "bzip2", zipfile.ZIP_LZMA: "LZMA"}
 _MAX_COMMENT = 1 << 16  # zipfile searches the last 64 KiB + 22 bytes for the EOCD
 _MAX_CD_RECORD = _CD_RECORD.size + 3 * 0xFFFF
 
@@ -325,6 +349,41 @@ class ZipReader:
                 raise ArchiveError(
                     f"torch_opaque: entry '{i.filename}' in {self.description} is encrypted; "
                     f"pt2 archives are not."
+                )
+            if i.compress_type not in _METHODS:
+                method = _METHOD_NAMES.get(i.compress_type, f"method {i.compress_type}")
+                raise ArchiveError(
+                    f"torch_opaque: entry '{i.filename}' in {self.description} is compressed with "
+                    f"{method}; torch_opaque reads only stored and deflate entries (what "
+                    f"torch.export.save and zip tools write), because other methods inflate "
+                    f"without a bound. Re-zip the archive with deflate (or save it again)."
+                )
+        self._check_spans(infos)
+
+    def _check_spans(self, infos) -> None:
+        """Note [Entries are streamed, never shared]: no two entries' local
+        headers and data overlap."""
+        end_of_data = self.zf.start_dir if hasattr(self.zf, "start_dir") else None
+        spans = []
+        for i in infos:
+            self.file.seek(i.header_offset)
+            raw = self.file.read(_LOCAL.size)
+            if len(raw) != _LOCAL.size or raw[:4] != _LOCAL_SIG:
+                raise ArchiveError(
+                    f"torch_opaque: entry '{i.filename}' in {self.description} has no local "
+                    f"header at offset {i.header_offset}; the archive is truncated or corrupted."
+                )
+            name_len, extra_len = _LOCAL.unpack(raw)[-2:]
+            spans.append((i.header_offset, i.header_offset + _LOCAL.size + name_len + extra_len + i.compress_size, i.filename))
+        spans.sort()
+        for (start, end, name), nxt in zip(spans, spans[1:] + [None]):
+            limit, other = (nxt[0], f"entry '{nxt[2]}'") if nxt is not None else (end_of_data, "the central directory")
+            if limit is not None and end > limit:
+                raise ArchiveError(
+                    f"torch_opaque: entry '{name}' in {self.description} overlaps {other} "
+                    f"(its header and data span bytes {start} to {end}, the other starts at "
+                    f"{limit}): entries that share their bytes are a zip bomb; the archive was "
+                    f"crafted and is not loaded."
                 )
 
     def check(self, name: str, kind: str) -> int:

@@ -34,10 +34,24 @@ def main(argv=None) -> int:
         type=int,
         help="read .pt2 manifests and graphs up to this size (default: ArchiveLimits)",
     )
+    p.add_argument(
+        "--max-nodes",
+        metavar="N",
+        type=int,
+        help="draw --graph pictures (.svg/.png/.html) of up to N nodes (default: 1000)",
+    )
     args = parser.parse_args(argv)
     limits = None
-    if args.max_size:
-        limits = ArchiveLimits(manifest=args.max_size, model=args.max_size, other=args.max_size)
+    if args.max_size or args.max_nodes:
+        fields = {}
+        if args.max_size:
+            fields.update(manifest=args.max_size, model=args.max_size, other=args.max_size)
+        if args.max_nodes:
+            fields.update(picture_nodes=args.max_nodes, nodes=max(args.max_nodes, ArchiveLimits.nodes))
+        try:
+            limits = ArchiveLimits(**fields)
+        except ValueError as e:
+            parser.error(str(e))
     try:
         print(inspect_file(args.file, args.graph, limits))
     except InspectError as e:

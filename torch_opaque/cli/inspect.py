@@ -499,6 +499,18 @@ def draw(path: str, out: str, kind: str, table: str, limits: Optional[ArchiveLim
         raise InspectError(
             f"--graph: unknown picture type '{printable(ext)}'; use .svg, .png, .html or .dot"
         )
+    # Note [Pictures of huge graphs]: Graphviz's layout time grows with about
+    # the square of the nodes (a 50,000-node program ran past 100 s), so a
+    # picture is drawn for at most ArchiveLimits.picture_nodes nodes (1000:
+    # 0.2 CPU-s of dot, 2000: 0.6 s); .dot output (no layout) is written whole.
+    most = (limits or ArchiveLimits()).picture_nodes
+    if len(nodes) > most:
+        raise InspectError(
+            f"--graph {ext}: the graph of {printable(path)} has {len(nodes)} nodes, more than the "
+            f"{most} a picture is drawn for (laying it out takes time that grows with the "
+            f"square of the nodes); pass --max-nodes {len(nodes)} to draw it anyway, or write "
+            f"--graph FILE.dot (no layout). The table above lists every operator."
+        )
     fmt = "png" if ext == ".png" else "svg"
     data = _render(dot, fmt, path, ext)
     if ext in (".html", ".htm"):
