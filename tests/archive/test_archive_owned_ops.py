@@ -202,10 +202,15 @@ def test_n_out_claim_is_an_error_naming_the_archive(archives):
 
 
 def test_dirty_claim_is_an_error_and_modifies_nothing(archives):
-    """(Before: AddInPlace.apply(x, y) returned y and wrote into it.)"""
+    """(Before: AddInPlace.apply(x, y) returned y and wrote into it.) The
+    archive's schema says the op writes the program's input y, which the
+    program's signature does not declare: the load is refused (Note [Writes a
+    loaded program may make]); the op it defined first still checks its claim."""
     path = archives["add_y"]
     (r,) = child([(path, "AddInPlace")])
-    assert r["load_error"] is None
+    err = r["load_error"]
+    assert err is not None and err["error"] == "ArchiveError"
+    assert_names(err["message"], path, "ArchAddInPlace", "writes to 'y'", "run_decompositions")
     assert r["ours"]["error"] == "ArchiveError"
     assert r["ours"]["args_unchanged"]
     assert_names(r["ours"]["message"], path, "opaque::ArchAddInPlace", "dirty=[[0, 1]]",
