@@ -209,7 +209,9 @@ def test_n_out_claim_is_refused_at_load(archives):
 
 def test_dirty_claim_is_refused_at_load_and_modifies_nothing(archives):
     """(Before: AddInPlace.apply(x, y) returned y and wrote into it; then:
-    loaded, and AddInPlace.apply raised.)"""
+    loaded, and AddInPlace.apply raised.) The conflict with the caller's own op
+    is refused before anything is defined, ahead of the undeclared-write check
+    (Note [Writes a loaded program may make])."""
     path = archives["add_y"]
     (r,) = child([(path, "AddInPlace")])
     err = r["load_error"]

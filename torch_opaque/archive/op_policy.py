@@ -2,16 +2,50 @@
 
 Note [Operators a loaded program may call]
 A loaded graph runs every operator it names, with arguments from the file, so
-naming an operator is running code. Allowed (for call targets and for
+naming an operator is running code, and a kernel that trusts its arguments
+(an index it does not check, a tensor whose invariants it assumes) reads or
+writes memory outside its tensors. Allowed (for call targets and for
 operators passed as arguments, ``as_operator``, alike):
 
-* ATen and prims operators that compute, except those that read or write
-  files, re-point, resize or share storage, print, or build tensors whose
-  invariants are not checked (``_DENIED``: ``aten::from_file``, ``set_``,
-  ``resize_``, ``_sparse_coo_tensor_unsafe``, ...);
-* torch's other computing namespaces (``quantized``, ``mkldnn``, ...), but not
-  those with effects outside the computation (``profiler``, ``debugprims``,
-  the collectives, ``inductor``'s storage ops: ``_REFUSED_NAMESPACES``);
+* public ATen and prims operators, except the families of ``_REFUSED``:
+  - ``storage``: those that read or write files, re-point, resize or share
+    storage, or print (``from_file``, ``set_``, ``resize_``, ``_print``,
+    ``record_stream``, ...);
+  - ``unchecked``: kernels that index with values from their arguments without
+    checking them (``ctc_loss``, whose targets past the classes read outside
+    the log-probabilities; the max-pool backwards that scatter through given
+    ``indices``; ``embedding_dense_backward``; ``segment_reduce``, whose
+    ``unsafe=True`` skips its length check);
+  - ``sparse``: sparse tensors built or edited from raw parts, whose
+    invariants (indices within the size) the sparse kernels assume: the
+    unchecked constructors (``_sparse_coo_tensor_unsafe``, ... and the public
+    ``sparse_coo_tensor`` family, which checks only when asked), the aliases of
+    a sparse tensor's parts (``_indices``, ``_values``, ``indices``,
+    ``crow_indices``, ...: writing through them breaks the invariants), and
+    ``_coalesced_`` (which marks a tensor coalesced without looking);
+  - ``state``: operators that change the caller's process state: autograd
+    state of a tensor (``requires_grad_``, ``retain_grad``, ``detach_``,
+    ``set_data``, ``_backward``, forward-AD duals, functorch batch levels);
+    grad mode, the RNG seed and the other TorchScript builtins in the aten
+    namespace (``aten::set_grad_enabled``, ``aten::manual_seed``, ``warn``,
+    ...) are refused because they are not dispatcher operators at all. Grad
+    mode and autocast change only inside the higher-order operators that
+    scope them (``wrap_with_set_grad_enabled``, ``wrap_with_autocast``);
+* private ATen and prims operators (``_name``) only when ``_PRIVATE_ADMITTED``
+  lists them: the ones torch.export and its decompositions write (softmax,
+  attention, FFT, linalg, ``_to_copy``, ``_unsafe_view``, ...), each a kernel
+  that checks its arguments (tests/archive/test_archive_op_fuzz.py calls every
+  admitted operator with hostile arguments in child processes);
+* the batch-norm family (``native_batch_norm``, ``_native_batch_norm_legit*``,
+  ...) only with arguments the loader checked (:func:`check_batch_norm`): its
+  CPU kernels index the weight, bias and running statistics by the input's
+  channel without checking their sizes;
+* none of torch's other namespaces that compute on packed or unchecked
+  layouts (``quantized``, ``mkldnn``, ``onednn``, ``mkl``, ``sparse``,
+  ...: their kernels trust prepacked weights and layouts they do not check),
+  nor those with effects outside the computation (``profiler``,
+  ``debugprims``, the collectives, ``inductor``'s storage ops:
+  ``_REFUSED_NAMESPACES``);
 * the higher-order operators that only structure a computation (``cond``,
   ``while_loop``, ``wrap_with_set_grad_enabled``, ... ``_HIGHER_ORDER``), not
   those that print, call Python or compiled code (``print``, ``call_torchbind``,
@@ -21,9 +55,10 @@ operators passed as arguments, ``as_operator``, alike):
   says so (``custom_ok``): opaque ops the manifest describes, ops this process
   has registered itself.
 
-A stored program (the forward or backward of a self-contained op) is also
-checked after deserialization (:func:`check_stored_graph`): it may not write
-to, resize or re-point its inputs, or anything that aliases them.
+Public operators are admitted by a deny list (docs/limits.md): a new
+PyTorch release's new operator is admitted until it is listed here.
+
+What a graph may write is Note [Writes a loaded program may make] (writes.py).
 
 Example::
 
@@ -42,29 +77,100 @@ from typing import Callable, Optional
 
 _OP_TARGET_RE = re.compile(r"^torch\.ops\.([A-Za-z_][A-Za-z0-9_]*)\.([A-Za-z_][A-Za-z0-9_]*)(\.[A-Za-z_][A-Za-z0-9_]*)?$")
 
-_DENIED = {
-    # files, storage, re-pointing and resizing
-    "from_file", "set", "set_", "set_data", "resize", "resize_", "resize_as", "resize_as_",
-    "resize_as_sparse", "resize_as_sparse_", "_resize_output", "_resize_output_", "sparse_resize",
-    "sparse_resize_", "sparse_resize_and_clear", "sparse_resize_and_clear_",
-    "_copy_from_and_resize", "record_stream", "_reshape_alias", "_reshape_alias_copy",
-    # global state and output
-    "_print", "_cufft_set_plan_cache_max_size", "_cufft_clear_plan_cache",
-    # tensors built from raw parts without checking their invariants
-    "_sparse_coo_tensor_unsafe", "_sparse_csr_tensor_unsafe", "_sparse_csc_tensor_unsafe",
-    "_sparse_bsr_tensor_unsafe", "_sparse_bsc_tensor_unsafe", "_sparse_compressed_tensor_unsafe",
-    "_sparse_coo_tensor_with_dims_and_tensors", "_nested_view_from_buffer",
-    "_nested_view_from_buffer_copy", "_nested_view_from_jagged", "_nested_view_from_jagged_copy",
+_REFUSED = {
+    "storage": (
+        "it reads or writes files or storage outside the computation",
+        {
+            "from_file", "set", "set_", "set_data", "resize", "resize_", "resize_as", "resize_as_",
+            "resize_as_sparse", "resize_as_sparse_", "_resize_output", "_resize_output_", "sparse_resize",
+            "sparse_resize_", "sparse_resize_and_clear", "sparse_resize_and_clear_", "_copy_from_and_resize",
+            "record_stream", "_reshape_alias", "_reshape_alias_copy", "_print", "_cufft_set_plan_cache_max_size",
+            "_cufft_clear_plan_cache", "_nested_view_from_buffer", "_nested_view_from_buffer_copy",
+            "_nested_view_from_jagged", "_nested_view_from_jagged_copy", "pin_memory", "_pin_memory",
+        },
+    ),
+    "unchecked": (
+        "its kernel indexes memory with values from its arguments without checking them",
+        {
+            "ctc_loss", "_ctc_loss", "_ctc_loss_backward", "_cudnn_ctc_loss", "max_pool2d_with_indices_backward",
+            "max_pool3d_with_indices_backward", "adaptive_max_pool2d_backward", "adaptive_max_pool3d_backward",
+            "fractional_max_pool2d_backward", "fractional_max_pool3d_backward", "embedding_dense_backward",
+            "embedding_backward", "embedding_sparse_backward", "segment_reduce", "_segment_reduce_backward",
+            "_index_put_impl", "_index_put_impl_",
+        },
+    ),
+    "sparse": (
+        "it builds or edits a sparse tensor from raw parts without checking its invariants",
+        {
+            "_sparse_coo_tensor_unsafe", "_sparse_csr_tensor_unsafe", "_sparse_csc_tensor_unsafe",
+            "_sparse_bsr_tensor_unsafe", "_sparse_bsc_tensor_unsafe", "_sparse_compressed_tensor_unsafe",
+            "_sparse_coo_tensor_with_dims_and_tensors", "_sparse_coo_tensor_with_dims",
+            "_sparse_compressed_tensor_with_dims", "sparse_coo_tensor", "sparse_compressed_tensor",
+            "sparse_csr_tensor", "sparse_csc_tensor", "sparse_bsr_tensor", "sparse_bsc_tensor",
+            "_indices", "_values", "indices", "values", "crow_indices", "col_indices", "ccol_indices",
+            "row_indices", "_indices_copy", "_values_copy", "indices_copy", "values_copy",
+            "crow_indices_copy", "col_indices_copy", "ccol_indices_copy", "row_indices_copy",
+            "_coalesced", "_coalesced_",
+        },
+    ),
+    "state": (
+        "it changes the caller's autograd or process state",
+        {
+            "requires_grad_", "retain_grad", "detach_", "_backward", "_make_dual", "_make_dual_copy",
+            "_unpack_dual", "_fw_primal", "_fw_primal_copy", "_add_batch_dim", "_remove_batch_dim",
+            "_propagate_xla_data", "_cudnn_init_dropout_state", "_amp_update_scale", "_amp_update_scale_",
+        },
+    ),
 }  # fmt: skip
-_WHY_DENIED = "it reads or writes files or storage outside the computation"
-_COMPUTING_NAMESPACES = {
-    "aten", "prims", "quantized", "_quantized", "quantization", "onednn", "mkldnn",
-    "mkldnn_prepacked", "mkl", "sparse", "rngprims", "inductor_prims",
+_WHY_REFUSED = {name: why for why, names in _REFUSED.values() for name in names}
+# Private operators torch.export and its decompositions write, each with a
+# kernel that checks its arguments (Note [Operators a loaded program may call]).
+_PRIVATE_ADMITTED = {
+    "aten": {
+        "_adaptive_avg_pool2d", "_adaptive_avg_pool2d_backward", "_adaptive_avg_pool3d",
+        "_adaptive_avg_pool3d_backward", "_add_relu", "_addmm_activation", "_aminmax", "_assert_async",
+        "_assert_scalar", "_assert_tensor_metadata", "_functional_assert_async", "_functional_assert_scalar",
+        "_functional_sym_constrain_range", "_functional_sym_constrain_range_for_size", "_make_dep_token",
+        "_cdist_forward", "_cdist_backward", "_pdist_forward", "_pdist_backward", "_euclidean_dist",
+        "_conj", "_conj_copy", "_conj_physical", "_neg_view", "_neg_view_copy", "_convolution",
+        "_convolution_double_backward", "_embedding_bag", "_embedding_bag_forward_only",
+        "_fft_c2c", "_fft_c2r", "_fft_r2c", "_linalg_det", "_linalg_eigh", "_linalg_eigvals",
+        "_linalg_slogdet", "_linalg_solve_ex", "_linalg_svd", "_linalg_check_errors", "_lu_with_info",
+        "_local_scalar_dense", "_log_softmax", "_log_softmax_backward_data", "_softmax",
+        "_softmax_backward_data", "_safe_softmax", "_masked_softmax", "_logcumsumexp",
+        "_native_batch_norm_legit", "_native_batch_norm_legit_functional",
+        "_native_batch_norm_legit_no_training", "_batch_norm_with_update",
+        "_batch_norm_with_update_functional", "_batch_norm_no_update", "_to_copy", "_unsafe_view",
+        "_reshape_copy", "_unsafe_index", "_unsafe_index_put", "_unsafe_masked_index",
+        "_unsafe_masked_index_put_accumulate", "_upsample_bicubic2d_aa", "_upsample_bicubic2d_aa_backward",
+        "_upsample_bilinear2d_aa", "_upsample_bilinear2d_aa_backward", "_upsample_nearest_exact1d",
+        "_upsample_nearest_exact1d_backward", "_upsample_nearest_exact2d", "_upsample_nearest_exact2d_backward",
+        "_upsample_nearest_exact3d", "_upsample_nearest_exact3d_backward", "_weight_norm_interface",
+        "_weight_norm_interface_backward", "_prelu_kernel", "_prelu_kernel_backward",
+        "_scaled_dot_product_attention_math", "_scaled_dot_product_flash_attention_for_cpu",
+        "_scaled_dot_product_flash_attention_for_cpu_backward", "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_efficient_attention_backward", "_scaled_dot_product_flash_attention",
+        "_scaled_dot_product_flash_attention_backward", "_fused_rms_norm", "_fused_rms_norm_backward",
+        "_chunk_cat", "_stack", "_trilinear", "_grid_sampler_2d_cpu_fallback",
+        "_grid_sampler_2d_cpu_fallback_backward", "_thnn_fused_lstm_cell", "_thnn_fused_gru_cell",
+        "_unique", "_unique2", "_fused_dropout", "_masked_scale", "_standard_gamma", "_standard_gamma_grad",
+        "_dirichlet_grad", "_sample_dirichlet", "_efficientzerotensor", "_lazy_clone", "_is_all_true",
+        "_is_any_true", "_shape_as_tensor", "_dim_arange", "_cummax_helper", "_cummin_helper",
+        "_foreach_add", "_foreach_sub", "_foreach_mul", "_foreach_div", "_foreach_neg", "_foreach_sqrt",
+        "_foreach_exp", "_foreach_abs", "_foreach_addcmul", "_foreach_addcdiv", "_foreach_norm",
+        "_foreach_copy", "_foreach_clone", "_foreach_pow", "_foreach_lerp", "_foreach_maximum",
+        "_foreach_minimum", "_foreach_sign", "_foreach_zero",
+    },
+    "prims": {"_make_token", "_sink_tokens"},
 }  # fmt: skip
+_COMPUTING_NAMESPACES = {"aten", "prims", "rngprims"}
 _REFUSED_NAMESPACES = {
     "profiler", "debugprims", "c10d", "_c10d_functional", "_c10d_functional_autograd",
-    "c10d_functional", "symm_mem", "_dtensor", "inductor", "static_runtime", "_test",
+    "c10d_functional", "symm_mem", "_dtensor", "inductor", "inductor_prims", "static_runtime", "_test",
     "debug_mode_ops", "_native", "fsdp", "streams",
+}  # fmt: skip
+_PACKED_NAMESPACES = {
+    "quantized", "_quantized", "quantization", "mkldnn", "mkldnn_prepacked", "onednn", "mkl", "sparse",
 }  # fmt: skip
 _HIGHER_ORDER = {
     "associative_scan", "auto_functionalized", "auto_functionalized_v2", "cond", "flex_attention",
@@ -109,9 +215,9 @@ def check_target(t, custom_ok: Callable[[str], bool]) -> Optional[str]:
     if m.group(3) is None:
         return _refused(t, "an operator call names its overload")
     if ns in _COMPUTING_NAMESPACES:
-        if name in _DENIED:
-            return _refused(t, _WHY_DENIED)
-        return None
+        return _computing_op(t, ns, name, m.group(3)[1:])
+    if ns in _PACKED_NAMESPACES:
+        return _refused(t, f"the {ns} namespace's kernels trust packed weights and layouts they do not check")
     if ns in _REFUSED_NAMESPACES:
         return _refused(t, f"the {ns} namespace acts outside the computation")
     if not custom_ok(t):
@@ -123,55 +229,104 @@ def check_target(t, custom_ok: Callable[[str], bool]) -> Optional[str]:
     return None
 
 
-# ---- stored programs ---------------------------------------------------------------------------
-
-
-def check_stored_graph(gm, where: str) -> Optional[str]:
-    """Why a stored program's graph writes to, resizes or re-points one of its
-    inputs (or a view of one), or None. Follows aliases through every op whose
-    schema says an output aliases an argument."""
-    import operator
-
-    aliases = set()
-    for node in gm.graph.nodes:
-        if node.op == "placeholder":
-            aliases.add(node)
-            continue
-        if node.op != "call_function":
-            continue
-        target = node.target
-        if target is operator.getitem:
-            if node.args and node.args[0] in aliases:
-                aliases.add(node)
-            continue
-        schema = getattr(target, "_schema", None)
-        if schema is None:  # higher-order operators: their subgraphs are functional in export
-            continue
-        bound = _bind(schema, node)
-        for arg, value in bound:
-            if arg.alias_info is not None and arg.alias_info.is_write and _touches(value, aliases):
-                return (
-                    f"node '{node.name}' ({target}) writes to its input '{arg.name}' in {where}: a "
-                    f"stored program mutates its inputs, which the op's schema declares functional"
-                )
-        if any(r.alias_info is not None for r in schema.returns) and any(
-            _touches(v, aliases) for a, v in bound if a.alias_info is not None
-        ):
-            aliases.add(node)
+def _computing_op(t: str, ns: str, name: str, overload: str) -> Optional[str]:
+    if name in _WHY_REFUSED:
+        return _refused(t, _WHY_REFUSED[name])
+    dunder = name.startswith("__") and name.endswith("__")
+    if name.startswith("_") and not dunder and name not in _PRIVATE_ADMITTED.get(ns, ()):
+        return _refused(
+            t,
+            "a private operator that torch.export does not write, whose kernel may trust its "
+            "arguments; private operators are admitted one by one",
+        )
+    if not _is_dispatcher_op(ns, name, overload):
+        return _refused(
+            t,
+            "not a dispatcher operator of torch (a TorchScript builtin such as "
+            "aten::set_grad_enabled or aten::manual_seed changes process state, or the "
+            "operator does not exist)",
+        )
     return None
 
 
-def _bind(schema, node) -> list:
-    out = []
-    for i, arg in enumerate(schema.arguments):
-        if i < len(node.args):
-            out.append((arg, node.args[i]))
-        elif arg.name in node.kwargs:
-            out.append((arg, node.kwargs[arg.name]))
-    return out
+# The batch-norm family: (position of the input, positions of the per-channel
+# tensors: weight, bias, running and saved statistics) for each.
+_BATCH_NORM = {
+    **dict.fromkeys(
+        ("native_batch_norm", "_native_batch_norm_legit", "_native_batch_norm_legit_functional",
+         "_native_batch_norm_legit_no_training", "_batch_norm_with_update",
+         "_batch_norm_with_update_functional", "_batch_norm_no_update", "batch_norm",
+         "batch_norm_update_stats", "batch_norm_elemt", "cudnn_batch_norm", "miopen_batch_norm"),
+        (0, (1, 2, 3, 4)),
+    ),
+    **dict.fromkeys(("native_batch_norm_backward", "batch_norm_backward"), (1, (2, 3, 4, 5, 6))),
+}  # fmt: skip
 
 
-def _touches(value, aliases: set) -> bool:
-    if isinstance(value, (list, tuple)):
-        return any(_touches(v, aliases) for v in value)
-    return value in aliases
+def check_batch_norm(gm, where: str) -> Optional[str]:
+    """Why a call of the batch-norm family in `gm` (or a graph nested in it)
+    has a per-channel argument that is not one value per channel of its input,
+    or None (Note [Operators a loaded program may call]). The sizes are those
+    the graph records for each value (``meta['val']``); the loader checks them
+    against the weights and the inputs' guards check the caller's tensors."""
+    import torch
+
+    for sub in gm.modules():
+        if not isinstance(sub, torch.fx.GraphModule):
+            continue
+        for node in sub.graph.nodes:
+            if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+                continue
+            spec = _BATCH_NORM.get(node.target._schema.name.split("::")[-1])
+            if spec is None:
+                continue
+            why = _batch_norm_args(node, *spec)
+            if why is not None:
+                return f"node '{node.name}' ({node.target}) in {where}: {why}"
+    return None
+
+
+def _batch_norm_args(node, at: int, per_channel: tuple) -> Optional[str]:
+    import torch
+
+    args = list(node.args) + [node.kwargs.get(a.name) for a in node.target._schema.arguments[len(node.args) :]]
+    x = args[at].meta.get("val") if isinstance(args[at], torch.fx.Node) else None
+    if not isinstance(x, torch.Tensor) or x.dim() < 2:
+        return "its input has no recorded size with a channel dimension"
+    channels = x.shape[1]
+    for i in per_channel:
+        a = args[i] if i < len(args) else None
+        if a is None:
+            continue
+        v = a.meta.get("val") if isinstance(a, torch.fx.Node) else None
+        if not isinstance(v, torch.Tensor) or v.dim() != 1 or not _same(v.shape[0], channels):
+            shape = list(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__
+            return (
+                f"its argument '{node.target._schema.arguments[i].name}' has the size {shape}, not one "
+                f"value per channel of the input ({channels}); its kernel would index past it"
+            )
+    return None
+
+
+def _same(a, b) -> bool:
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    return statically_known_true(a == b)
+
+
+@functools.lru_cache(maxsize=4096)
+def _is_dispatcher_op(ns: str, name: str, overload: str) -> bool:
+    import torch
+
+    if ns == "prims":
+        import torch._prims  # noqa: F401  (registers the prims operators)
+    try:
+        torch._C._dispatch_find_schema_or_throw(f"{ns}::{name}", "" if overload == "default" else overload)
+    except RuntimeError:
+        return False
+    return True
+
+
+# ---- stored programs ---------------------------------------------------------------------------
+
+from .writes import check_stored_graph  # noqa: E402,F401  (Note [Writes a loaded program may make])

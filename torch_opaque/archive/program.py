@@ -535,9 +535,10 @@ def read_tensors(z: ZipReader, root: str, model: str, description: str) -> tuple
 _DESERIALIZER_LOCK = threading.RLock()
 
 
-def deserialize(model_json, tensors: tuple, description: str, where: str, rename: dict, limits=None):
+def deserialize(model_json, tensors: tuple, description: str, where: str, rename: dict, limits=None, stored=False):
     """An ExportedProgram from a model's JSON (checked, and renamed in place)
-    and its (state_dict, constants); no sample inputs."""
+    and its (state_dict, constants); no sample inputs. `stored`: a program
+    stored in a self-contained archive (checked for writes by its caller)."""
     state_dict, constants = tensors
     _, serialize = _serde()
     # Note [Linear reading]: the cyclic GC, run again and again while the schema
@@ -559,7 +560,73 @@ def deserialize(model_json, tensors: tuple, description: str, where: str, rename
             f"{type(e).__name__}: {e}"
         ) from e
     check_graph(ep, where, description)
+    check_what_runs(ep, f"{where} in {description}", writes=not stored)
     return ep
+
+
+def check_what_runs(ep, where: str, writes: bool = True) -> None:
+    """What the program does when it runs: its weights are what its placeholders
+    say, its batch-norm calls index within their arguments, and it writes only
+    what its signature declares (Note [Weights match their placeholders],
+    Note [Operators a loaded program may call], Note [Writes a loaded program
+    may make])."""
+    from .op_policy import check_batch_norm
+    from .writes import undeclared_write
+
+    why = weights_mismatch(ep, where) or check_batch_norm(ep.graph_module, where)
+    if why is None and writes:
+        why = undeclared_write(ep, where)
+    if why is not None:
+        raise ArchiveError(f"torch_opaque.load: {why}. The archive was crafted or corrupted; it is not loaded.")
+
+
+# Note [Weights match their placeholders]
+# A weight or constant is read from its own payload record (dtype, sizes,
+# strides, layout, device), the graph from its own JSON: nothing made them
+# agree, and a kernel compiled for the placeholder's float32 [2, 3] runs on
+# whatever the payload holds (uint64 garbage, fewer bytes). Every parameter,
+# buffer and tensor constant must have its placeholder's dtype, shape (a
+# symbolic size of a weight is refused: torch.export never writes one),
+# layout and device, as the placeholder's recorded value (``meta['val']``)
+# says; strides may differ (torch.export saves the storage as it was).
+def weights_mismatch(ep, where: str):
+    """Why a weight or constant of `ep` does not match its placeholder, or None."""
+    from torch.export.graph_signature import InputKind
+
+    placeholders = {n.name: n for n in ep.graph.nodes if n.op == "placeholder"}
+    for spec in ep.graph_signature.input_specs:
+        if spec.kind not in (InputKind.PARAMETER, InputKind.BUFFER, InputKind.CONSTANT_TENSOR):
+            continue
+        name = getattr(spec.arg, "name", None)
+        node = placeholders.get(name)
+        want = node.meta.get("val") if node is not None else None
+        got = ep.constants.get(spec.target) if spec.target in ep.constants else ep.state_dict.get(spec.target)
+        kind = spec.kind.name.lower().replace("_tensor", "")
+        if not isinstance(want, torch.Tensor) or not isinstance(got, torch.Tensor):
+            if spec.kind == InputKind.BUFFER and got is None and not spec.persistent:
+                continue  # a non-persistent buffer torch did not save: torch.export refuses to run it
+            return (
+                f"the {kind} '{spec.target}' of placeholder '{name}' in {where} is "
+                f"{type(got).__name__}, its placeholder records {type(want).__name__}; every "
+                f"weight must be a tensor its placeholder describes"
+            )
+        shape = tuple(want.shape)
+        if not all(isinstance(n, int) for n in shape):
+            return (
+                f"the placeholder '{name}' of the {kind} '{spec.target}' in {where} has the "
+                f"symbolic size {list(shape)}; a weight's size is fixed"
+            )
+        have = (got.dtype, tuple(got.shape), got.layout, got.device)
+        need = (want.dtype, shape, want.layout, want.device)
+        if have != need:
+            fields = ", ".join(
+                f"{f} {h} (the placeholder says {n})" for f, h, n in zip(("dtype", "shape", "layout", "device"), have, need) if h != n
+            )  # fmt: skip
+            return (
+                f"the {kind} '{spec.target}' in {where} does not match its placeholder "
+                f"'{name}': {fields}; a kernel would read it as the placeholder's type"
+            )
+    return None
 
 
 def program_from_bytes(data: bytes, description: str, where: str, limits, rename: dict):
@@ -579,7 +646,7 @@ def program_from_bytes(data: bytes, description: str, where: str, limits, rename
         model_json = read_model_json(z, root, "model", z.description)
         check_model_json(model_json, where, description, rename, inner)
         tensors = read_tensors(z, root, "model", description)
-    ep = deserialize(model_json, tensors, description, where, rename, inner)
+    ep = deserialize(model_json, tensors, description, where, rename, inner, stored=True)
     why = check_stored_graph(ep.graph_module, f"{where} in {description}")
     sig = ep.graph_signature
     if why is None and (sig.user_inputs_to_mutate or sig.buffers_to_mutate or sig.parameters_to_mutate):

@@ -14,7 +14,9 @@ with the others in a fresh interpreter.
 Steps: ``load`` (torch_opaque.load), ``inspect`` (inspect_file), and ``run``
 when the load succeeded: the loaded program's module() called on inputs of
 the sizes its user inputs declare; ``run_mutated`` says whether the call
-changed them (none of the corpus' programs modifies its inputs). A marker
+changed them (none of the corpus' programs modifies its inputs), and
+``state_kept`` whether a second call, with grad mode on, left the caller's
+grad mode, RNG state and its inputs' ``requires_grad`` as they were. A marker
 found is reported and removed, so that each case is judged alone."""
 
 import json, os, resource, sys, time
@@ -88,6 +90,11 @@ def run(ep, r: dict) -> None:
             ep.module()(*inputs)
     finally:
         r["run_mutated"] = any(not torch.equal(a, b) for a, b in zip(inputs, before))
+    # once more with grad mode on: the caller's grad mode, RNG and tensors' flags stay
+    rng, flags = torch.get_rng_state(), [t.requires_grad for t in inputs]
+    ep.module()(*inputs)
+    r["state_kept"] = (torch.is_grad_enabled() and torch.equal(rng, torch.get_rng_state())
+                       and flags == [t.requires_grad for t in inputs])
 
 
 resettable = reset_peak()
