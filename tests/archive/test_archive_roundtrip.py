@@ -39,13 +39,11 @@ PATHS = ("archive", "stock", "onnx", "training")
 # issue-36c: the state backward programs are traced in, list-of-tensors
 # arguments, backwards that cannot be traced). Each is a strict xfail: when
 # the fix lands, the case passes, the xfail fails, and the entry goes.
-SIBLING_ROWS: dict = {
-    ("requires_grad branch: learnable bound", "archive"): "issue-36c",  # the bound's gradient is None
-    ("materialize_grads off", "archive"): "issue-36c",  # the backward gets zeros for None
-    ("list of tensors", "archive"): "issue-36c",  # save: 'Node' object has no attribute 'dtype'
-    ("backward refuses grad mode", "archive"): "issue-36c",  # the backward is traced with grad mode on
-    ("backward refuses grad mode", "training"): "issue-36c",
-    ("set_grad_enabled(False) in forward", "archive"): "issue-36a",  # load: wrap_with_set_grad_enabled
+SIBLING_ROWS: dict = {  # (the fixed cases left this list when their branches landed)
+    # save: "ValueError: not enough values to unpack" for a list-of-tensors argument
+    ("list of tensors", "archive"): "issue-36 row 7: list-of-tensors arguments in self-contained save",
+    # export_training runs the backward in the caller's grad mode (docs/limits.md)
+    ("backward refuses grad mode", "training"): "a training step runs the backward with grad mode on",
 }
 
 # Failures for other reasons, not fixed yet (each in docs/limits.md).
