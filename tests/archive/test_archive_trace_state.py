@@ -226,3 +226,26 @@ def test_materialize_and_partial_backwards_are_in_the_manifest(tmp_path):
     assert variant["materialize"] is False
     assert sorted(p["defined"] for p in variant["partial"]) == [[False, True], [True, False]]
     assert {tuple(p["defined"]): p["grads"] for p in variant["partial"]} == {(True, False): [0], (False, True): [1]}
+
+
+def test_the_manifest_reader_checks_the_new_records(tmp_path):
+    """materialize / partial / bwd_error are read by the closed grammar: a
+    pattern that is all true, or a bwd missing without a reason, is refused by field."""
+    import archive_corpus as C
+    from torch_opaque.errors import ArchiveError
+
+    path = tmp_path / "spike.pt2"
+    torch_opaque.save(torch.export.export(S.SpikeNet(True), tuple(spike_inputs())), path,
+                      self_contained=True)
+    m = C.manifest_of(path)
+    k = next(i for i, op in enumerate(m["ops"]) if op["name"] == "StatePairScale")
+    variant = m["ops"][k]["overloads"][0]["variants"][0]
+    variant["partial"][0]["defined"] = [True, True]
+    C.with_manifest(path, tmp_path / "all_true.pt2", m)
+    with pytest.raises(ArchiveError, match=rf"ops\[{k}\]\.overloads\[0\]\.variants\[0\]\.partial\[0\]\.defined"):
+        torch_opaque.load(tmp_path / "all_true.pt2")
+    m = C.manifest_of(path)
+    del m["ops"][k]["overloads"][0]["variants"][0]["bwd"]
+    C.with_manifest(path, tmp_path / "no_bwd.pt2", m)
+    with pytest.raises(ArchiveError, match=r"variants\[0\]\.bwd: missing"):
+        torch_opaque.load(tmp_path / "no_bwd.pt2")
