@@ -409,6 +409,19 @@ class Gather(Function):
         return g.new_zeros(ctx.shape).scatter_add(1, idx, g * 2), None
 
 
+class GradientBlocker(Function):
+    """A backward that returns no gradient at all (a straight-through blocker):
+    its stored backward has no outputs (Note [A backward with no gradients])."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return (x * 3).round()
+
+    @staticmethod
+    def backward(ctx, g):
+        return None
+
+
 class ZeroDim(Function):
     """A 0-d result (a loss-like Function)."""
 
@@ -766,6 +779,7 @@ case("float default, given")(lambda: Case(Call(OptionalBias.apply, None, 0.5), (
 case("list of ints")(lambda: Case(Call(PermuteList.apply, [1, 0]), (x(),)))
 case("list of tensors")(lambda: Case(Call(lambda a, b: StackList.apply([a, b]) + a), (x(), x())))
 case("int64 index input")(lambda: Case(Call(Gather.apply), (x(), torch.tensor([[0, 2], [1, 1], [2, 0], [0, 0]]))))
+case("backward returns no gradient")(lambda: Case(Call(lambda a: GradientBlocker.apply(a) + a), (x(),)))
 case("0-d result")(simple(ZeroDim.apply))
 case("float64 result")(simple(Double.apply))
 case("in-place ops on intermediates")(simple(InPlaceIntermediate.apply))

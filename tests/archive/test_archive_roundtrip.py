@@ -40,8 +40,8 @@ PATHS = ("archive", "stock", "onnx", "training")
 # arguments, backwards that cannot be traced). Each is a strict xfail: when
 # the fix lands, the case passes, the xfail fails, and the entry goes.
 SIBLING_ROWS: dict = {  # (the fixed cases left this list when their branches landed)
-    # save: "ValueError: not enough values to unpack" for a list-of-tensors argument
-    ("list of tensors", "archive"): "issue-36 row 7: list-of-tensors arguments in self-contained save",
+    # save refuses its own archive: the manifest cannot write a Function's list state token
+    ("list of tensors", "archive"): "issue-36: a list in ctx state of a self-contained save",
     # export_training runs the backward in the caller's grad mode (docs/limits.md)
     ("backward refuses grad mode", "training"): "a training step runs the backward with grad mode on",
 }

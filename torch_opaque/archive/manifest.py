@@ -436,7 +436,9 @@ def _variant(version: int, position: int, n_out: int, n_args: int):
             non_differentiable=non_diff,
             grads=grads,
             fwd=o.get("fwd", _str(_PROGRAM_RE, 64)),
-            bwd=o.get("bwd", program, **({"default": None} if bwd_error is not None else {})),
+            # (no program either for a backward that returns no gradient: Note [A backward
+            # with no gradients] in trace.py)
+            bwd=o.get("bwd", program, **({"default": None} if bwd_error is not None or not grads else {})),
             state=o.get("state", _str(max_len=1 << 16), default=None),
             materialize=o.get("materialize", _bool, default=True),
             partial=_partials(o, n_out, n_args),

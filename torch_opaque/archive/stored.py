@@ -84,6 +84,8 @@ class _Variant:
         """(positions, program, program inputs from ``grads``) of a backward call:
         the stored backward, or the one for this pattern of undefined output
         gradients (Note [Stored programs run in eager's state] in trace.py)."""
+        if self.bwd is None and not self.grads and self.record.bwd_error is None:
+            return [], _NO_GRADIENTS, []  # Note [A backward with no gradients] in trace.py
         if self.bwd is None:
             raise RuntimeError(
                 f"torch_opaque: {self.record.bwd_error or f'the backward of {qual} was not stored'}, "
@@ -521,3 +523,17 @@ def _define(op: OpEntry, ov: OverloadRecord, payloads: dict, registered: str) ->
     _STORED[(ns, name, registered)] = sov
     register_source(_StoredOpSource)
     return sov
+
+
+class _NoGradients:
+    """The stored backward of a Function whose backward returns no gradient
+    (Note [A backward with no gradients] in trace.py): no program, no outputs."""
+
+    def __call__(self, inputs):
+        return []
+
+    def forward(self, inputs):
+        return []
+
+
+_NO_GRADIENTS = _NoGradients()

@@ -230,7 +230,13 @@ def store_overload(rec, overload: str, files: dict, counter: list, fn, stored,
                    "partial": []}
         for pattern, prog in bwd_programs:
             if pattern is None:
-                payload["bwd"] = stored_program_bytes(prog, what("bwd"))
+                # Note [A backward with no gradients]: a backward that returns None for
+                # every input (a straight-through blocker, a list argument without a
+                # gradient) traces to a program with no outputs, which torch's
+                # serializer cannot write; none is stored, and the manifest's empty
+                # `grads` says the loaded backward returns no gradient (stored.py).
+                if entry.grads:
+                    payload["bwd"] = stored_program_bytes(prog, what("bwd"))
             else:
                 payload["partial"].append(stored_program_bytes(prog, what("partial bwd")))
         _add_programs(entry, payload, files, counter)
