@@ -180,3 +180,14 @@ def test_corpus_size():
 @pytest.mark.parametrize("name,path", params())
 def test_roundtrip(corpus, name, path):
     getattr(corpus, path)(name)
+
+
+@pytest.mark.parametrize("name", ["saved input", "no_grad in forward", "several Functions, a Linear"])
+def test_no_empty_grad_mode_regions(corpus, name):
+    """auto()'s first-call checks run on fake tensors with torch-function modes
+    off: export's mode does not record their no_grad as an empty
+    wrap_with_set_grad_enabled region (which made every such self-contained
+    archive unloadable)."""
+    _, _, ep = corpus.get(name)
+    hops = [n for n in ep.graph.nodes if "wrap_with_set_grad_enabled" in str(n.target)]
+    assert not hops, ep.graph

@@ -366,8 +366,13 @@ class ZipReader:
         end_of_data = self.zf.start_dir if hasattr(self.zf, "start_dir") else None
         spans = []
         for i in infos:
-            self.file.seek(i.header_offset)
-            raw = self.file.read(_LOCAL.size)
+            raw = b""
+            if i.header_offset >= 0:
+                try:
+                    self.file.seek(i.header_offset)
+                    raw = self.file.read(_LOCAL.size)
+                except (OSError, ValueError, OverflowError):
+                    raw = b""
             if len(raw) != _LOCAL.size or raw[:4] != _LOCAL_SIG:
                 raise ArchiveError(
                     f"torch_opaque: entry '{i.filename}' in {self.description} has no local "
