@@ -147,7 +147,7 @@ def variants(kind: str, x: torch.Tensor) -> dict:
     original = _function(f"Orig_{tag}", fwd, bwd)
     if kind == "stock":
         from torch_opaque._impl.function import ensure_routing
-        from torch_opaque.hooks.apply import ORIGINAL_APPLY
+        from torch_opaque._impl.apply_route import ORIGINAL_APPLY
 
         ensure_routing()  # what wrapping any class does
         return {"original": types.MethodType(ORIGINAL_APPLY, original), "rerouted": original.apply}

@@ -10,30 +10,23 @@
     torch_opaque.export(model, (x,)) # torch.export.export inside auto()
 """
 
-import importlib
-
 import torch  # noqa: F401  (loads libtorch before the extension)
 
-try:
-    _C = importlib.import_module(__name__ + "._C")
-except ImportError as _e:  # a source checkout that was never built, or a torch mismatch
-    raise ImportError(
-        f"torch_opaque: its compiled core (torch_opaque._C) did not load: {_e}. "
-        f"Build and install the package against the torch in this environment "
-        f"(`pip install --no-build-isolation .`, or `scripts/dev.sh build` in a checkout), "
-        f"with the torch version it was built for."
-    ) from _e
-from .hooks.auto import AutoReport, auto, export
-from ._impl.function import DEFAULT_NAMESPACE, OpaqueFunction, is_wrapped, lookup, op, wrap
+from ._native import _C
+from ._impl.auto_mode import AutoReport, auto, export
+from ._impl.function import DEFAULT_NAMESPACE, is_wrapped, lookup, op, wrap
+from ._impl.opaque_function import OpaqueFunction
+from ._impl import extension_points as _extension_points
+from . import integrations as _integrations  # noqa: F401  (attaches them: Note [Extension points])
 from .errors import FakeForwardError, RegistrationError, SchemaError, UnsupportedError
 from .archive import ArchiveError, OpNotAllowedError, load, save
 from . import config, passes
 from ._impl import cpp_fakes as _cpp_fakes
 from .training import export_training, training_outputs
-from ._impl.sharding import register_sharding  # Note [Sharding opaque ops]
+from .integrations.sharding import register_sharding  # Note [Sharding opaque ops]
 
 # Importing changes nothing in torch: the first wrap()/op/auto() reroutes
-# Function.apply and arms the Dynamo hook (torch_opaque/hooks/__init__.py).
+# Function.apply and arms the Dynamo hook (torch_opaque/integrations/__init__.py).
 
 
 def load_library(path) -> None:
@@ -46,13 +39,10 @@ def load_library(path) -> None:
     that do not match): the ops that did register stay usable.
     """
     _C.take_registration_errors()  # failures of libraries loaded other ways are not ours
-    # Dynamo routes torch.ops calls of C++ ops itself; the hook is armed for
-    # double backward through compiled graphs holding them.
-    from .hooks.dynamo import install_when_dynamo_loads
-    from .hooks.onnx_registry import install_when_onnx_loads
-
-    install_when_dynamo_loads()
-    install_when_onnx_loads()  # Note [torch.onnx.export of opaque ops]
+    # Dynamo routes torch.ops calls of C++ ops itself; its hook is armed for
+    # double backward through compiled graphs holding them, and torch.onnx's
+    # for their translations (Note [Extension points]).
+    _extension_points.fire(_extension_points.library_loaded)
     before = _cpp_fakes.op_names()
     torch.ops.load_library(str(path))
     errors = _C.take_registration_errors()

@@ -3,7 +3,7 @@
 ``inductor_inline`` (default True): Inductor compiles the forward and backward
 bodies of Functions wrapped from Python, fusing them with the code around
 them; False keeps each call an opaque call of the op in Inductor's graphs
-(Note [Inductor sees through opaque ops] in _impl/inductor_inline.py). Read
+(Note [Inductor sees through opaque ops] in integrations/inductor.py). Read
 when a graph is compiled: call ``torch._dynamo.reset()`` after changing it to
 recompile graphs compiled before. Export graphs (``torch.export``,
 ``export_training``, archives, ONNX) keep one opaque node per call either way.

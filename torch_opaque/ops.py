@@ -20,7 +20,7 @@ from typing import Callable, Optional, Protocol
 
 import torch
 
-from ._impl.function import function_for_op
+from ._impl.registry import function_for_op
 
 ROLES = ("op", "fwd", "bwd")
 
@@ -50,7 +50,7 @@ class OpaqueInfo:
 
     @property
     def python_overload(self):
-        """The torch_opaque._impl.function.Overload (Python-defined ops only)."""
+        """The torch_opaque._impl.overload.Overload (Python-defined ops only)."""
         if self.function is None:
             return None
         return self.function.overloads.get(self.overload)
@@ -101,7 +101,7 @@ def opaque_nodes(graph_module) -> list:
 
 
 # Note [Op sources]
-# ops.py knows the ops Python Functions define (_impl/function.py) and those
+# ops.py knows the ops Python Functions define (_impl/registry.py) and those
 # C++ defines (the dispatcher). A layer that defines opaque ops another way
 # (archive/stored.py: ops re-created from stored programs) registers an
 # OpSource here when it defines its first op, so that graph passes and the CLI

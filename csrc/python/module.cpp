@@ -37,7 +37,7 @@ void set_forward_record_py(const std::vector<int64_t>& saved,
   set_forward_record(std::move(r));
 }
 
-// Note [Sharding opaque ops] (torch_opaque/_impl/sharding.py): the DTensor
+// Note [Sharding opaque ops] (torch_opaque/integrations/sharding.py): the DTensor
 // handler of `_fwd` ran the forward kernel on redistributed local tensors, so
 // saved arguments it redistributed become the residuals it appended (one
 // (index, item or -1, residual) triple each), and one more residual is saved

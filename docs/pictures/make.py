@@ -5,8 +5,8 @@ from the programs the pages themselves build.
 
 Each picture of a program is drawn right after its page's Python blocks ran
 (tests/doc_runner.py --pictures OUT calls draw() with the page's namespace), so
-a picture shows exactly the program its page makes; call_path.svg is
-call_path.dot rendered by Graphviz. tests/test_docs.py redraws them all into a
+a picture shows exactly the program its page makes; call_path.svg and
+layers.svg are call_path.dot and layers.dot rendered by Graphviz. tests/test_docs.py redraws them all into a
 scratch folder and checks that they equal the files committed here.
 """
 
@@ -58,7 +58,7 @@ PAGES = {
     "training.md": {"training_step.svg": _training_step},
     "onnx.md": {"onnx_model.svg": _onnx_model},
 }
-STATIC = {"call_path.svg": "call_path.dot"}
+STATIC = {"call_path.svg": "call_path.dot", "layers.svg": "layers.dot"}
 
 
 def draw(page: str, namespace: dict, outdir: pathlib.Path) -> list:

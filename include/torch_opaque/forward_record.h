@@ -127,7 +127,7 @@ bool take_node_takes_record();
 // The record a forward kernel set on this thread that the Autograd kernel
 // around it has not taken yet, or nullptr: a layer between the two (the
 // DTensor handler of `_fwd`, Note [Sharding opaque ops] in
-// torch_opaque/_impl/sharding.py) points its saved tensors at what it made.
+// torch_opaque/integrations/sharding.py) points its saved tensors at what it made.
 ForwardRecord* pending_forward_record();
 
 // Used by the Autograd kernel around a `_fwd` call.

@@ -204,7 +204,7 @@ def check_auto_without_rule(mesh):
 
     with torch_opaque.auto():
         ep = torch.export.export(M(), (torch.randn(4, 3),))
-    assert torch_opaque.hooks.auto.fallen_back(Cube) is None
+    assert torch_opaque._impl.auto_state.fallen_back(Cube) is None
     assert any("CubeAuto" in str(n.target) for n in ep.graph.nodes), ep.graph
 
 
@@ -277,7 +277,7 @@ def check_compiled(mesh):
         same(out, ref)
         out.full_tensor().sum().backward()
         grads_equal(x.grad, ref_x.grad)
-    assert torch_opaque.hooks.auto.fallen_back(NoRule) is None
+    assert torch_opaque._impl.auto_state.fallen_back(NoRule) is None
 
 
 def check_cpp_op(mesh, lib):

@@ -1,5 +1,5 @@
 """Opaque ops on DTensor and under tensor parallel, against the stock Functions
-(Note [Sharding opaque ops] in torch_opaque/_impl/sharding.py).
+(Note [Sharding opaque ops] in torch_opaque/integrations/sharding.py).
 
 One run of two processes (gloo on 127.0.0.1, dtensor_worker.py) makes every
 check; each test reads its result. Bounded: the ranks time out their

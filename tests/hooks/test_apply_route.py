@@ -1,4 +1,4 @@
-"""hooks/apply.py: Function.apply rerouted (Note [Apply interception]) leaves
+"""_impl/apply_route.py: Function.apply rerouted (Note [Apply interception]) leaves
 stock Functions as they were: same results, same frames, same tracebacks
 (Note [Inlined route check])."""
 
@@ -11,7 +11,7 @@ import torch
 
 import torch_opaque
 from torch_opaque._impl import function as F
-from torch_opaque.hooks import apply as apply_hook
+from torch_opaque._impl import apply_route as apply_hook
 
 
 class Depth(torch.autograd.Function):

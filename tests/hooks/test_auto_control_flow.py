@@ -1,5 +1,5 @@
 """Exceptions that are control flow pass through auto() untouched
-(Note [Control-flow exceptions] in torch_opaque/hooks/auto.py).
+(Note [Control-flow exceptions] in torch_opaque/_impl/auto_mode.py).
 
 Activation checkpointing (torch.utils.checkpoint) around Functions, under
 auto() and with wrap, trains exactly as stock does: non-reentrant checkpoint
@@ -16,7 +16,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 import torch_opaque
-from torch_opaque.hooks import auto as auto_mod
+from torch_opaque._impl import auto_state as auto_mod
 
 _counter = iter(range(10**6))
 

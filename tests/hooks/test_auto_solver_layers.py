@@ -1,6 +1,6 @@
 """Data-dependent solver layers (qpth's QPFunction style) under auto() and
 wrap with torch.export: never a raw torch error (Note [No raw torch error
-from a fall-back] in torch_opaque/hooks/auto.py).
+from a fall-back] in torch_opaque/_impl/auto_mode.py).
 
 The forward checks its matrix (a solver refuses one that is not positive
 definite: stand-in data fails it, so no fake from real runs, Note [Fake from

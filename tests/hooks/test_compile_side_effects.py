@@ -14,7 +14,7 @@ from torch.distributions.utils import clamp_probs
 import torch_opaque
 from conftest import op_calls
 from torch_opaque._impl import function as _function
-from torch_opaque._impl import side_effects
+from torch_opaque._impl import side_effect_scan, side_effects
 
 LOG = []
 SCALE = 0.5  # a global read (not changed) by the clean Function
@@ -328,7 +328,7 @@ def test_effect_seen_in_eager_first_call_decides_under_compile():
 
     wrapped = torch_opaque.wrap(type("Tag", (Tag,), {}))
     fn = _function.lookup(wrapped)
-    assert side_effects.static(fn) is None and fn.side_effects is None
+    assert side_effect_scan.static(fn) is None and fn.side_effects is None
     f, _ = make_quantize_bernoulli()[1](wrapped)
     torch.testing.assert_close(f(_probs()), _probs() * 10)  # eager: as stock
     assert fn.side_effects == "sets a Python attribute on its output (._unquantize)"
@@ -453,7 +453,7 @@ def test_function_without_side_effects_compiles_to_the_op(mode):
     torch.testing.assert_close(y, y_ref)
     torch.testing.assert_close(g, g_ref)
     fn = _function.lookup(cls)
-    assert side_effects.static(fn) is None and fn.side_effects is None
+    assert side_effect_scan.static(fn) is None and fn.side_effects is None
     (graph,) = backend.graphs
     (node,) = op_calls(graph, fn.name)
     assert node.target._schema.name == f"opaque::{fn.name}"

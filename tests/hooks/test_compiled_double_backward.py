@@ -233,7 +233,7 @@ def test_first_order_backward_runs_the_compiled_backward_only(backend):
     # The class counter is state outside the call (Note [Forward side effects]):
     # Inductor keeps the op's call opaque, so the forward counts once per call
     # under every backend, as stock's compiled code replays the count (Note
-    # [Inductor sees through opaque ops] in torch_opaque/_impl/inductor_inline.py)
+    # [Inductor sees through opaque ops] in torch_opaque/integrations/inductor.py)
     per_call = 1
     Tanh.forwards = 0
     (g,) = torch.autograd.grad(f(x), x)

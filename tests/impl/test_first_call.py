@@ -1,5 +1,5 @@
 """The first eager call runs the user's forward once, as stock autograd.Function
-does (Note [First call runs forward once] in torch_opaque/_impl/function.py)."""
+does (Note [First call runs forward once] in torch_opaque/_impl/opaque_function.py)."""
 
 import textwrap
 

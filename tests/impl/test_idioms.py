@@ -540,7 +540,7 @@ def test_backward_stage_failure_falls_back_from_the_next_call():
                 assert any("runs as an ordinary autograd.Function" in n for n in e.__notes__)
                 continue
             torch.testing.assert_close(g, ref)
-    assert torch_opaque.hooks.auto.fallen_back(NamedTupleOnCtx) or F.lookup(NamedTupleOnCtx)
+    assert torch_opaque._impl.auto_state.fallen_back(NamedTupleOnCtx) or F.lookup(NamedTupleOnCtx)
 
 
 def test_export_of_a_fallen_back_function_warns_that_its_backward_is_lost():

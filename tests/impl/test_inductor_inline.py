@@ -1,5 +1,5 @@
 """Inductor compiles the bodies of wrapped Functions (Note [Inductor sees
-through opaque ops] in torch_opaque/_impl/inductor_inline.py): the generated
+through opaque ops] in torch_opaque/integrations/inductor.py): the generated
 code has no call of the op, values and gradients are the stock Function's;
 bodies that cannot be traced keep the call (with a debug line saying why), so
 does ``config.inductor_inline = False``, and export graphs keep one opaque

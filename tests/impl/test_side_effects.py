@@ -12,7 +12,8 @@ import torch
 
 import torch_opaque
 from torch_opaque._impl import function as _function
-from torch_opaque._impl import side_effects
+from torch_opaque._impl import overload as _overload
+from torch_opaque._impl import side_effect_scan, side_effects
 
 STATE = types.SimpleNamespace(calls=0)
 CACHE = {}
@@ -73,7 +74,7 @@ def _argument_tensor_attr(ctx, x):
     ],
 )
 def test_bytecode_shows(forward, effect):
-    assert side_effects.static(_fn(forward)) == effect
+    assert side_effect_scan.static(_fn(forward)) == effect
 
 
 def _clean(ctx, x, sizes):
@@ -94,8 +95,8 @@ def _clean(ctx, x, sizes):
 
 def test_bytecode_of_a_clean_forward_shows_nothing():
     fn = _fn(_clean)
-    assert side_effects.static(fn) is None
-    assert side_effects.on_arguments(fn, [torch.ones(2), [2]]) is None
+    assert side_effect_scan.static(fn) is None
+    assert side_effect_scan.on_arguments(fn, [torch.ones(2), [2]]) is None
 
 
 def test_mutator_on_an_argument_counts_only_for_a_container():
@@ -105,11 +106,11 @@ def test_mutator_on_an_argument_counts_only_for_a_container():
         return x * 2
 
     fn = _fn(forward)
-    assert side_effects.static(fn) is None
-    assert side_effects.on_arguments(fn, [torch.ones(1), []]) == (
+    assert side_effect_scan.static(fn) is None
+    assert side_effect_scan.on_arguments(fn, [torch.ones(1), []]) == (
         "calls .append() on its argument 'out' (a list)"
     )
-    assert side_effects.on_arguments(fn, [torch.ones(1), torch.ones(1)]) is None
+    assert side_effect_scan.on_arguments(fn, [torch.ones(1), torch.ones(1)]) is None
 
 
 def test_setup_context_counts_and_its_ctx_does_not():
@@ -121,7 +122,7 @@ def test_setup_context_counts_and_its_ctx_does_not():
         output.source = inputs[0]
 
     fn = _fn(forward, setup_context)
-    assert side_effects.static(fn) == "sets the attribute .source of its argument 'output'"
+    assert side_effect_scan.static(fn) == "sets the attribute .source of its argument 'output'"
 
 
 def test_a_decorated_forward_is_scanned_through_its_wrapper():
@@ -133,7 +134,7 @@ def test_a_decorated_forward_is_scanned_through_its_wrapper():
         return wrapper
 
     fn = _fn(deco(_global_rebound))
-    assert side_effects.static(fn) == "assigns the global 'SCALE'"
+    assert side_effect_scan.static(fn) == "assigns the global 'SCALE'"
 
 
 def test_class_counters_are_counted():
@@ -153,7 +154,7 @@ def test_class_counters_are_counted():
             return g * 2
 
     fn = _function.lookup(torch_opaque.wrap(Counted))
-    assert side_effects.static(fn) == "sets the class attribute .calls of the closure variable 'Counted'"
+    assert side_effect_scan.static(fn) == "sets the class attribute .calls of the closure variable 'Counted'"
     Counted.apply(torch.ones(2))
     Counted.apply(torch.ones(2))
     assert Counted.calls == 2
@@ -210,7 +211,7 @@ _BOXES = [1]
     ],
 )
 def test_bytecode_shows_every_store_form(forward, effect):
-    assert side_effects.static(_fn(forward)) == effect
+    assert side_effect_scan.static(_fn(forward)) == effect
 
 
 def test_an_item_set_in_an_argument_counts_only_for_a_container():
@@ -220,9 +221,9 @@ def test_an_item_set_in_an_argument_counts_only_for_a_container():
         return x * 2
 
     fn = _fn(forward)
-    assert side_effects.static(fn) is None
-    assert side_effects.on_arguments(fn, [torch.ones(1), {}]) == "sets an item of its argument 'table' (a dict)"
-    assert side_effects.on_arguments(fn, [torch.ones(1), torch.ones(1)]) is None
+    assert side_effect_scan.static(fn) is None
+    assert side_effect_scan.on_arguments(fn, [torch.ones(1), {}]) == "sets an item of its argument 'table' (a dict)"
+    assert side_effect_scan.on_arguments(fn, [torch.ones(1), torch.ones(1)]) is None
 
 
 # ---- quiet runs put back what they changed (Note [Fake runs leave no trace]) ----------------
@@ -286,7 +287,7 @@ def test_eager_first_call_sees_what_the_bytecode_cannot():
         return y
 
     fn = _fn(forward)
-    assert side_effects.static(fn) is None
+    assert side_effect_scan.static(fn) is None
     y = fn.cls.apply(torch.tensor([0.4, 0.6]))
     assert y._unquantize is not None  # eager: as stock
     assert fn.side_effects == "sets a Python attribute on its output (._unquantize)"
@@ -330,5 +331,5 @@ def test_torch_opaques_own_wrappers_are_not_watched_but_what_they_wrap_is():
         LOG.append(g)
         return g
 
-    guarded = _function._guard_backward(user_backward, weakref.ref(torch.autograd.Function))
+    guarded = _overload._guard_backward(user_backward, weakref.ref(torch.autograd.Function))
     assert [f for f, _ in side_effects.functions_of(guarded)] == [user_backward]

@@ -1,5 +1,5 @@
 """Functions on jagged NestedTensors run as stock runs them (Note [Ops on wrapper
-subclasses] in torch_opaque/_impl/subclass_rules.py): values, gradients, output
+subclasses] in torch_opaque/integrations/subclasses.py): values, gradients, output
 type and offsets equal to the stock Function's, under wrap and auto() (no
 fall-back), and the op stays one autograd node."""
 

@@ -65,7 +65,7 @@ def run_ort(program, *args):
 
 def test_torch_onnx_export_runs_in_onnxruntime_as_the_stock_function_does():
     # The ops get defined inside torch.onnx.export (first calls during its capture),
-    # after it built its registry: they join it (hooks/onnx_registry.py).
+    # after it built its registry: they join it (integrations/onnx_registry.py).
     ste, split = make_functions()
     torch_opaque.wrap(ste, name="TorchOnnxSTE")
     torch_opaque.wrap(split, name="TorchOnnxSplit")

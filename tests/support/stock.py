@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 from typing import Iterable, Iterator
 
-from torch_opaque.hooks import ORIGINAL_APPLY
+from torch_opaque._impl.apply_route import ORIGINAL_APPLY
 
 
 @contextlib.contextmanager

@@ -1,5 +1,6 @@
 """The autocast state a call was made under, kept in the call (Note [Autocast in
-the call]).
+the call]): the state string, and each op family's autocast variant, which
+the Autocast kernels of integrations/autocast.py call.
 
 Note [Autocast in the call]
 A stock Function under ``torch.autocast`` runs its forward with autocast on:
@@ -12,7 +13,7 @@ applies autocast while it is traced and runs without it, so the kernel would
 run the body in its inputs' dtypes. So the state goes into the call:
 
 * every overload of a Function gets a kernel at the Autocast keys (CPU, CUDA,
-  and the other devices autocast knows). It runs only while autocast is on for
+  and the other devices autocast knows: integrations/autocast.py). It runs only while autocast is on for
   a device of the call's tensors (at run time in eager code; at trace time in
   traced code, where the autocast block is entered while tracing), and calls
   the Function's *autocast variant* ``ns::Name_autocast`` with the call's
@@ -40,11 +41,13 @@ run the body in its inputs' dtypes. So the state goes into the call:
 from __future__ import annotations
 
 import contextlib
-import functools
 import inspect
 from typing import Optional
 
 import torch
+
+from . import registry
+from .opaque_function import OpaqueFunction
 
 STATE_ARG = "autocast_state"
 SUFFIX = "_autocast"
@@ -162,59 +165,31 @@ def variant_class(cls: type, setup_style: bool) -> type:
     return type(cls.__name__, (cls,), body)
 
 
-def register(overload, lib) -> None:
-    """The Autocast-key kernels of one overload of a Function (not of a variant)."""
-    fn = overload.fn
-    if getattr(fn, "autocast_base", None) is not None or not _KEYS:
-        return
-    op = overload.op
-    qualified = f"{fn.name}.{overload.name}" if overload.overload else fn.name
-    # an in-place op returns the Function's other outputs (Note [In-place Functions])
-    dirty_outputs = {k for k, _ in overload.dirty}
-
-    def kernel(*args, **kwargs):
-        state = call_state(args)
-        with torch._C._ExcludeDispatchKeyGuard(_excluded()):
-            if state is None:  # autocast on, but for none of the call's devices
-                return op(*args, **kwargs)
-            values = list(args) + [kwargs[a.name] for a in op._schema.arguments[len(args):]
-                                   if a.name in kwargs]
-            result = variant_of(fn).apply(*values, state)
-        if dirty_outputs:
-            outs = result if isinstance(result, (tuple, list)) else (result,)
-            result = [r for k, r in enumerate(outs) if k not in dirty_outputs]
-        if not op._schema.returns:
-            return None
-        if len(op._schema.returns) > 1:
-            return tuple(result)
-        return result[0] if isinstance(result, (tuple, list)) else result
-
-    for key in _KEYS.values():
-        lib.impl(qualified, kernel, key)
-        dispatch_key = getattr(torch._C.DispatchKey, key)
-        op.py_kernels.pop(dispatch_key, None)
-        op.py_impl(dispatch_key)(kernel)  # the Python dispatcher's (AOTAutograd tracing)
-
-
-@functools.lru_cache(maxsize=None)
-def _excluded():
-    """The Autocast keys of every device autocast knows, as one DispatchKeySet."""
-    keys = [torch._C.DispatchKeySet(getattr(torch._C.DispatchKey, k)) for k in _KEYS.values()]
-    return functools.reduce(lambda a, b: a | b, keys)
-
-
 def variant_of(fn):
     """The OpaqueFunction of ``fn``'s autocast variant, defined on first use."""
     variant = getattr(fn, "autocast_variant", None)
     if variant is None:
-        from . import function
-
         cls = variant_class(fn.cls, fn.setup_style)  # (class creation: outside the lock)
-        with function._LOCK:  # two threads' first calls define one variant
+        with registry._LOCK:  # two threads' first calls define one variant
             variant = getattr(fn, "autocast_variant", None)
             if variant is None:
-                variant = function.define_autocast_variant(fn, cls, fn.name + SUFFIX)
+                variant = define_autocast_variant(fn, cls, fn.name + SUFFIX)
                 fn.autocast_variant = variant
+    return variant
+
+
+def define_autocast_variant(fn, variant_cls: type, name: str):
+    """The op family of ``fn``'s autocast variant: ``variant_cls`` wrapped as
+    ``name`` (or a free name after it), its class kept alive by the variant,
+    which ``fn`` keeps."""
+    with registry._LOCK:
+        op_name = registry._free_name(fn.namespace, name)
+        variant = OpaqueFunction(variant_cls, fn.namespace, op_name, explicit=True)
+        variant.autocast_base = fn
+        # its forward wraps the user's, which marks the arguments dirty
+        variant.dirty, variant.dirty_pairs = fn.dirty, fn.dirty_pairs
+        variant.autocast_class = variant_cls
+        registry.add(variant)
     return variant
 
 

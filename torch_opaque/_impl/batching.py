@@ -56,7 +56,7 @@ from torch._functorch.autograd_function import custom_function_call_vmap_helper
 from torch._functorch.pyfunctorch import retrieve_current_functorch_interpreter
 from torch._functorch.vmap import restore_vmap, wrap_batched
 
-from .. import _C
+from .._native import _C
 from ..errors import UnsupportedError
 
 
@@ -157,7 +157,7 @@ class Rules:
 
     def __init__(self, overload, cls):
         self.ov = overload
-        # No reference to the class (Note [Registry lifetime] in function.py).
+        # No reference to the class (Note [Registry lifetime] in registry.py).
         self.user_vmap = cls.vmap is not torch.autograd.Function.vmap
         # Stock refuses a Function with both (custom_function_call_vmap); in-place
         # Functions (mark_dirty, refused by stock's generated rule) stay per sample.

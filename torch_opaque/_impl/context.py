@@ -29,7 +29,7 @@ import ast
 
 import torch
 
-from .. import _C
+from .._native import _C
 from ..errors import UnsupportedError
 
 # Note [ctx types] (csrc/python/context_types.h): both are C types, like

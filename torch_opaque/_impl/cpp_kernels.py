@@ -27,7 +27,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from .. import _C
+from .._native import _C
 from . import autocast_variant
 from .calls import CallSignature
 

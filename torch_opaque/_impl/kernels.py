@@ -15,7 +15,7 @@ from typing import Callable
 
 import torch
 
-from .. import _C
+from .._native import _C
 from .context import ForwardContext, decode_state, encode_state, user_attributes
 from ..errors import FakeForwardError, SchemaError, UnsupportedError
 from .bridge import BackwardChecks, ForwardChecks
@@ -106,7 +106,7 @@ class Runner(ForwardChecks):
         """(what forward returned, ctx): the forward run by the C++ bridge as the
         kernel runs it (grad mode off, in-place check: Note [In-place forwards])
         while the number of outputs is unknown (Note [First call runs forward
-        once] in _impl/function.py). Unchecked outputs, no record."""
+        once] in _impl/opaque_function.py). Unchecked outputs, no record."""
         return _C.run_first_forward(self, tuple(needs), tuple(args))
 
     def run(self, needs, args, forward=None, setup_context=None) -> tuple:

@@ -27,7 +27,7 @@ replays its effects, so under torch.compile:
   at run time (never inlined into Inductor's graph, inductor_inline.py): its
   kernel runs the forward, and the effect, once per call, as stock does;
 - one whose forward changes an argument or sets attributes on an output is
-  refused with UnsupportedError (hooks/dynamo.py): the traced caller would
+  refused with UnsupportedError (integrations/dynamo.py): the traced caller would
   read what the op's fake outputs never had.
 Eager calls and torch.export keep the op: in eager mode the forward runs for
 real and its effects happen as in stock. Whatever the mode, the runs
@@ -448,9 +448,9 @@ def lost_in_eager(fn, effect: str) -> None:
     back from its next call on (this call's result and change stand, the
     forward having run once, as in stock)."""
     if not fn.explicit:
-        from ..hooks import auto
+        from . import auto_state
 
-        auto.fall_back(fn.cls, f"its forward {effect}, which the op's later calls would not repeat")
+        auto_state.fall_back(fn.cls, f"its forward {effect}, which the op's later calls would not repeat")
         return
     from ..errors import UnsupportedError
 
@@ -460,8 +460,3 @@ def lost_in_eager(fn, effect: str) -> None:
         f"next call on. Return the new items as outputs of the forward instead, or keep "
         f"{fn.display_name} unwrapped."
     )
-
-
-
-
-from .side_effect_scan import argument_calls, on_arguments, static  # noqa: E402,F401

@@ -3,7 +3,7 @@ a symbolic dimension, real-shaped stand-ins for traced values, a plain
 sample of a torch.func-wrapped tensor, copies of outputs that alias inputs,
 and one "trace this kind of call to ATen".
 
-Used by the first-call probe (function.py), auto() (hooks/auto.py), graph
+Used by the first-call probe (opaque_function.py), auto() (_impl/auto_mode.py), graph
 passes, stored programs (archive/) and ONNX export (onnx/).
 
 Note [Tracing a call kind to ATen]

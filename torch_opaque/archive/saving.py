@@ -12,7 +12,7 @@ import torch
 from ..errors import ArchiveError
 from ..ops import opaque_info, opaque_nodes, schema_or_none
 from ..passes import _graph_modules  # (a graph module and its HOPs' subgraphs)
-from .._impl.function import function_for_op
+from .._impl.registry import function_for_op
 from .._impl.schema import schema_arguments
 from . import stored as S
 from .fingerprint import function_fingerprint

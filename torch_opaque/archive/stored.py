@@ -14,7 +14,7 @@ from typing import Callable, Optional
 
 import torch
 
-from .. import _C
+from .._native import _C
 from .._impl.bridge import BackwardChecks, ForwardChecks, SavedKind, saved_triples
 from .._impl.tracing import unalias
 from ..errors import ArchiveError

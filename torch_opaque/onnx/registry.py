@@ -38,9 +38,9 @@ def reuse_torchlib_registry():
         yield  # an export inside one that reuses already
         return
     # torch's own entries only: the cached base must not hold opaque ops
-    # (Note [Ops that graphs hold]); each copy gets them (hooks/onnx_registry.py)
+    # (Note [Ops that graphs hold]); each copy gets them (integrations/onnx_registry.py)
     build = getattr(original.__func__, "_torch_opaque_original", original.__func__)
-    with_opaque = build is not original.__func__
+    finish = getattr(original.__func__, "_torch_opaque_finish", None)
 
     def from_torchlib(klass, opset_version=default_opset):
         base = _REGISTRIES.get(opset_version)
@@ -52,10 +52,8 @@ def reuse_torchlib_registry():
             _REGISTRIES[opset_version] = base
         registry = copy.copy(base)  # translations get registered into the copy
         registry.functions = {k: list(v) for k, v in base.functions.items()}
-        if with_opaque:
-            from .torch_onnx_export import add_translations
-
-            add_translations(registry)
+        if finish is not None:
+            finish(registry)
         return registry
 
     from_torchlib._torch_opaque_reuse = True

@@ -7,7 +7,7 @@ torch's exporter (2.13) has no registry a library extends once for every
 export: each call builds ``ONNXRegistry.from_torchlib()`` afresh (torch's own
 translations, registered with its ``onnx_impl`` decorator) and adds that call's
 ``custom_translation_table``. So torch_opaque adds its entries to every
-registry ``from_torchlib`` builds (hooks/onnx_registry.py wraps it when torch.onnx
+registry ``from_torchlib`` builds (integrations/onnx_registry.py wraps it when torch.onnx
 first imports the module; torch_opaque never imports torch.onnx or onnxscript
 itself):
 
@@ -47,7 +47,6 @@ import onnxscript.evaluator
 import torch
 
 from ..errors import OnnxExportError
-from ..hooks.onnx_registry import LIVE_REGISTRIES
 from ..ops import ROLES, opaque_info
 from .exporter import _Exporter
 from .registry import reuse_torchlib_registry
@@ -78,10 +77,9 @@ def opaque_overloads() -> list:
 
 
 def add_translations(registry) -> None:
-    """Give a registry torch.onnx just built a translation of every opaque op,
-    and of those defined while it is in use (hooks/onnx_registry.py)."""
+    """Give a registry torch.onnx just built a translation of every opaque op
+    (those defined while it is in use join it: integrations/onnx_registry.py)."""
     register_translations(registry, opaque_overloads())
-    LIVE_REGISTRIES.add(registry)
 
 
 def register_translations(registry, targets) -> None:

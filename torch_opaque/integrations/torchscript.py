@@ -70,7 +70,7 @@ def _wrapped_class(value):
 
 def _packet(cls):
     """The overload packet scripted code calls for ``cls.apply``, or None (stock)."""
-    from . import auto
+    from .._impl import auto_mode as auto
 
     fn = auto.routed(cls)
     if fn is None:

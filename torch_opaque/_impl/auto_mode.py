@@ -54,209 +54,23 @@ change calls in another); the classes that fell back are remembered per
 class (weakly) for the process.
 """
 
-from __future__ import annotations
-
 import contextlib
-import functools
-import logging
-import threading
-import warnings
-import weakref
-from typing import Optional
 
 import torch
 
-from .._impl import sharding as _sharding
-from .._impl.in_place import uses_mark_dirty
-from .._impl.tracing import real_shaped
-from . import fx as _fx
-from .apply import ORIGINAL_APPLY
-
-log = logging.getLogger("torch_opaque")
-
-class _State(threading.local):
-    depth = 0  # open auto() blocks in this thread (read by hooks/apply.py's trampoline)
-    reports = None  # their AutoReports
-
-
-_state = _State()
-_FALLEN: "weakref.WeakKeyDictionary[type, str]" = weakref.WeakKeyDictionary()
-_WARNED_TRACE: "weakref.WeakSet[type]" = weakref.WeakSet()
-
-
-class AutoReport:
-    """What one ``auto()`` block did (it is what ``with torch_opaque.auto() as r`` gives):
-
-    - ``ops``: class -> qualified op name, for each Function that ran as an op;
-    - ``fallbacks``: class -> why, for each Function that stayed ordinary.
-
-    ``str(report)`` is a readable table.
-    """
-
-    def __init__(self):
-        self.ops: dict = {}
-        self.fallbacks: dict = {}
-
-    def __str__(self):
-        lines = [f"torch_opaque.auto(): {len(self.ops)} op(s), {len(self.fallbacks)} fall-back(s)"]
-        for cls, name in self.ops.items():
-            lines.append(f"  op        {_cls_name(cls)} -> {name}")
-        for cls, why in self.fallbacks.items():
-            lines.append(f"  ordinary  {_cls_name(cls)}: {why}")
-        return "\n".join(lines)
-
-    __repr__ = __str__
-
-
-_PACKAGE_DIR = __file__.rsplit("/hooks/", 1)[0]
-
-
-def _user_stacklevel() -> int:
-    """The stacklevel of the first frame outside torch_opaque and torch (the user's call)."""
-    import os
-    import sys
-
-    torch_dir = os.path.dirname(torch.__file__)
-    f, level = sys._getframe(1), 1
-    while f is not None and f.f_code.co_filename.startswith((_PACKAGE_DIR, torch_dir)):
-        f, level = f.f_back, level + 1
-    return level
-
-
-def _cls_name(cls) -> str:
-    return f"{cls.__module__}.{cls.__qualname__}"
-
-
-def active() -> bool:
-    """Whether the calling thread is inside ``auto()``."""
-    return _state.depth > 0
-
-
-def _reports() -> list:
-    r = _state.reports
-    if r is None:
-        r = _state.reports = []
-    return r
-
-
-def _torch_owned(cls) -> bool:
-    module = getattr(cls, "__module__", "") or ""
-    return module == "torch" or module.startswith(("torch.", "torch_opaque"))
-
-
-def eligible(cls: type) -> Optional[str]:
-    """None when auto mode should wrap ``cls``; otherwise why not."""
-    if _torch_owned(cls):
-        return "it belongs to PyTorch"
-    if cls.backward is torch.autograd.Function.backward:
-        return "it defines no backward"
-    if uses_mark_dirty(cls):
-        return "its forward calls ctx.mark_dirty (an in-place Function; auto() keeps those stock)"
-    return None
-
-
-def _why(e: BaseException) -> str:
-    text = str(e).strip().splitlines()[0] if str(e).strip() else ""
-    text = text.removeprefix("torch_opaque: ")
-    return f"{type(e).__name__}: {text}" if text else type(e).__name__
-
-
-# Note [Control-flow exceptions]
-# Some exceptions that leave an op call are not the op's failure but control
-# flow of the code around it: non-reentrant checkpoint stops its recomputation
-# by raising torch.utils.checkpoint._StopRecomputationError from its pack hook
-# once it has every tensor it needs (i.e. from inside the op's autograd kernel,
-# while it saves the op's residuals); a user's saved_tensors_hooks pack hook may
-# raise on purpose; KeyboardInterrupt, SystemExit and other BaseExceptions that
-# are not Exceptions stop the program. Stock runs none of them twice, so auto()
-# must neither re-run the call as the ordinary Function (that would run the
-# hook again: checkpoint then finds its state broken, "Unexpected state:
-# target_frame.early_stop is set", and a stateful hook may not raise a second
-# time, hiding the user's error) nor mark the class fallen back: the exception
-# propagates unchanged, as stock's does. control_flow() tells them apart: not
-# an Exception, a checkpoint stop, or raised while a frame of the active
-# saved-tensor hooks was running (found in the exception's traceback; the
-# autograd kernel calls the pack hook after the forward succeeded, so such an
-# error says nothing of the op). Unpack hooks run in the engine before the
-# op's backward is called, so they never reach the backward guard; a backward
-# that raises control flow itself is not a backward failure either.
-
-
-def _hook_codes(hooks) -> set:
-    codes = set()
-    for h in hooks or ():
-        for _ in range(4):  # a partial, a bound method, a callable object
-            if isinstance(h, functools.partial):
-                h = h.func
-            elif hasattr(h, "__func__"):
-                h = h.__func__
-            elif hasattr(h, "__code__") or not callable(h):
-                break
-            else:
-                h = getattr(type(h), "__call__", None)
-        code = getattr(h, "__code__", None)
-        if code is not None:
-            codes.add(code)
-    return codes
-
-
-def control_flow(e: BaseException) -> bool:
-    """Whether ``e`` is control flow that auto() passes through untouched
-    (Note [Control-flow exceptions])."""
-    if not isinstance(e, Exception):
-        return True
-    from torch.utils.checkpoint import _StopRecomputationError
-
-    if isinstance(e, _StopRecomputationError):
-        return True
-    try:
-        hooks = torch._C._autograd._top_saved_tensors_default_hooks(True)
-    except Exception:  # pragma: no cover - another torch version
-        return False
-    codes = _hook_codes(hooks)
-    if not codes:
-        return False
-    tb = e.__traceback__
-    while tb is not None:
-        if tb.tb_frame.f_code in codes:
-            return True
-        tb = tb.tb_next
-    return False
-
-
-def fall_back(cls: type, reason: str) -> None:
-    """Keep ``cls`` an ordinary Function from now on, saying why (once)."""
-    if cls in _FALLEN:
-        return
-    _FALLEN[cls] = reason
-    for report in _reports():
-        report.fallbacks.setdefault(cls, reason)
-    log.info("auto(): %s stays an ordinary autograd.Function: %s", _cls_name(cls), reason)
-    if not _torch_owned(cls):
-        warnings.warn(
-            f"torch_opaque.auto(): {cls.__qualname__} stays an ordinary autograd.Function "
-            f"(inlined by export) because {reason}",
-            stacklevel=_user_stacklevel(),
-        )
-
-
-def fallen_back(cls: type) -> Optional[str]:
-    """Why auto mode keeps ``cls`` an ordinary Function, or None."""
-    return _FALLEN.get(cls)
-
-
-def _note_op(cls, fn) -> None:
-    for report in _reports():
-        if cls not in report.ops:
-            report.ops[cls] = f"{fn.namespace}::{fn.name}"
-            log.info("auto(): %s runs as op %s::%s", _cls_name(cls), fn.namespace, fn.name)
+from . import extension_points as _ep
+from .apply_route import ORIGINAL_APPLY
+from .auto_state import AutoReport, _FALLEN, _note_op, _reports, _state, _torch_owned, _tracing, _why, active  # noqa: F401
+from .auto_state import control_flow, eligible, fall_back, log, warn_if_traced_inline
+from .function import wrap
+from .registry import lookup
+from .routing import ensure_routing, set_auto_call
+from .tracing import real_shaped
 
 
 def routed(cls: type):
     """The OpaqueFunction that a call of ``cls.apply`` runs now in this thread, or None."""
-    from .._impl import function
-
-    fn = function.lookup(cls)
+    fn = lookup(cls)
     if fn is not None and fn.explicit:
         return fn
     if not active():
@@ -270,8 +84,8 @@ def routed(cls: type):
         reason = eligible(cls)
         if reason is None:
             try:
-                function.wrap(cls, _patch_apply=False)
-                fn = function.lookup(cls)
+                wrap(cls, _patch_apply=False)
+                fn = lookup(cls)
             except Exception as e:  # definition stage: schema, naming, signature
                 if control_flow(e):
                     raise
@@ -285,35 +99,6 @@ def routed(cls: type):
     return fn
 
 
-def warn_if_traced_inline(cls: type, args=()) -> None:
-    """A fallen-back class met while tracing: its backward is not in the graph."""
-    if cls in _WARNED_TRACE or cls not in _FALLEN or _torch_owned(cls):
-        return
-    if not _tracing(args):
-        return
-    if torch.compiler.is_compiling() and not torch.compiler.is_exporting():
-        return  # Dynamo traces a stock Function with its backward (a compiled graph keeps it)
-    _WARNED_TRACE.add(cls)
-    warnings.warn(
-        f"torch_opaque.auto(): {cls.__qualname__} is traced as an ordinary autograd.Function "
-        f"({_FALLEN[cls]}), so the graph inlines its forward and its custom backward is lost "
-        f"there: gradients of the traced model are autodiff of the forward. Fix the reason "
-        f"above or keep this model out of export.",
-        stacklevel=_user_stacklevel(),
-    )
-
-
-def _tracing(args) -> bool:
-    if torch.compiler.is_compiling() or _fx.traced_by_fx(args):  # Note [FX symbolic tracing]
-        return True
-    from torch import _guards
-
-    if _guards.detect_fake_mode() is not None:
-        return True
-    from torch._subclasses.fake_tensor import is_fake
-
-    return any(isinstance(a, torch.Tensor) and is_fake(a) for a in args)
-
 
 def call(cls: type, args: tuple, kwargs: dict):
     """``cls.apply(*args, **kwargs)`` inside auto() (Note [Auto fall-back])."""
@@ -323,7 +108,7 @@ def call(cls: type, args: tuple, kwargs: dict):
         return ORIGINAL_APPLY(cls, *args, **kwargs)
     if fn.explicit:
         return fn.apply(*args, **kwargs)
-    if _sharding.auto_call_runs_stock(cls, (*args, *kwargs.values())):
+    if _ep.auto_runs_stock and _ep.runs_stock_in_auto(cls, (*args, *kwargs.values())):
         return ORIGINAL_APPLY(cls, *args, **kwargs)  # this call only: Note [Sharding opaque ops]
     # The first eager call runs the forward once, for real, as wrapped classes do
     # (Note [First call runs forward once]): no fake run (which imports Dynamo)
@@ -333,8 +118,9 @@ def call(cls: type, args: tuple, kwargs: dict):
     try:
         values = fn.bind(args, kwargs)
         ov = fn.defined_overload(values)
-        if ov is None and _fx.traced_by_fx(values):  # Note [FX symbolic tracing]
-            return _fx.call(fn, values)
+        tracer = _ep.traced_by(values) if ov is None else None
+        if tracer is not None:  # Note [FX symbolic tracing]
+            return tracer.call(fn, values)
         if ov is None:
             rng = None if _tracing(args) else torch.get_rng_state()
             ov, primed = fn.first_call(values)
@@ -413,18 +199,6 @@ def check_recording(ov, values) -> None:
         runner.run(needs, args, runner.guarded_forward, runner.guarded_setup)
 
 
-def backward_failed(cls: type, e: BaseException) -> None:
-    """Backward stage: the forward already ran as an op, so this error stands;
-    later calls run the ordinary Function. Control flow raised by the backward
-    is no failure of it (Note [Control-flow exceptions])."""
-    if cls is None or control_flow(e):
-        return
-    fall_back(cls, f"its backward failed under the op ({_why(e)})")
-    e.add_note(
-        f"torch_opaque.auto(): {cls.__qualname__}.backward failed when run by its op; "
-        f"{cls.__qualname__} runs as an ordinary autograd.Function from its next call on."
-    )
-
 
 @contextlib.contextmanager
 def auto():
@@ -433,9 +207,7 @@ def auto():
     wrapped as with ``torch_opaque.wrap`` and runs as an op. Classes that
     cannot be wrapped stay ordinary Functions, with a warning that says why
     (Note [Auto fall-back]). Yields an :class:`AutoReport` of what it did."""
-    from .._impl import function
-
-    function.ensure_routing()
+    ensure_routing()
     report = AutoReport()
     reports = _reports()
     _state.depth += 1
@@ -460,3 +232,6 @@ def export(model, args, kwargs=None, **export_kwargs):
     except AttributeError:  # pragma: no cover - slots in a future ExportedProgram
         pass
     return ep
+
+
+set_auto_call(call)

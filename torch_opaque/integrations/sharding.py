@@ -42,7 +42,7 @@ a C++ op applies to that overload (or to every overload of a packet).
 Without a rule, ``Cls.apply`` on DTensors raises an error that names this
 call, and ``auto()`` runs such a call as the stock Function (that call only:
 the class stays an op for plain tensors; Note [Auto fall-back]); both in
-eager code and where Dynamo meets the call (hooks/dynamo.py). Under
+eager code and where Dynamo meets the call (integrations/dynamo.py). Under
 torch.compile the handlers run on DTensors of fake tensors, as DTensor's own
 rules do, so a compiled call with a rule keeps the op.
 """
@@ -56,7 +56,7 @@ from typing import Callable, Union
 
 import torch
 
-from .. import _C
+from .._native import _C
 from ..errors import UnsupportedError
 
 POINTWISE = "pointwise"
@@ -89,6 +89,13 @@ def has_dtensor(values) -> bool:
 
 def has_rule(cls: type) -> bool:
     return cls in _CLASS_RULES
+
+
+def refuse_without_rule(fn, values) -> None:
+    """``before_call`` (Note [Extension points]): a wrapped class called with
+    DTensor arguments and no rule is refused."""
+    if has_dtensor(values) and not has_rule(fn.cls):
+        raise missing_rule_error(fn.display_name)
 
 
 def missing_rule_error(display_name: str) -> UnsupportedError:
@@ -135,7 +142,7 @@ def register_sharding(target, rule: Union[str, Callable]) -> None:
                 f"an opaque op, got the class {target.__qualname__}."
             )
         _CLASS_RULES[target] = rule
-        from .function import lookup
+        from .._impl.registry import lookup
 
         fn = lookup(target)
         for ov in list(fn.overloads.values()) if fn is not None else ():
@@ -417,7 +424,7 @@ def auto_call_runs_stock(cls: type, values) -> bool:
     and no rule for ``cls`` (that call only; said once per class)."""
     if not has_dtensor(values) or has_rule(cls):
         return False
-    from ..hooks import auto
+    from .._impl import auto_state as auto
 
     reason = (
         "it is called with DTensor arguments and has no sharding rule "

@@ -32,13 +32,13 @@ output (Note [Forward side effects] in _impl/side_effects.py).
 
 from __future__ import annotations
 
-import importlib.abc
 import sys
 import warnings
 
 import torch
 
-from .._impl import sharding as _sharding
+from .._impl import extension_points as _ep
+from .._impl.extension_points import AfterFirstImport
 
 _installed = False
 
@@ -124,16 +124,20 @@ def _compiling(tx) -> bool:
     return not getattr(output, "export", False) and not torch.compiler.is_exporting()
 
 
-def _dtensor_without_rule(tx, fn, args, kwargs) -> bool:
-    """DTensor arguments and no sharding rule for the class (under auto(): said
-    once, and the call runs as the stock Function)."""
+def _runs_stock(tx, fn, args, kwargs) -> bool:
+    """Whether this call runs as the stock Function under auto() (DTensor
+    arguments and no sharding rule: said once); a wrapped class's call that
+    an integration refuses raises here (Note [Extension points])."""
+    if not (_ep.before_call or _ep.auto_runs_stock):
+        return False
     try:
         examples = [_example(vt) for vt in _arg_trackers(fn, tx, args, kwargs)]
     except Exception:  # (reported by the paths below)
         return False
     if fn.explicit:
-        return _sharding.has_dtensor(examples) and not _sharding.has_rule(fn.cls)
-    return _sharding.auto_call_runs_stock(fn.cls, examples)
+        _ep.check_call(fn, examples)
+        return False
+    return _ep.runs_stock_in_auto(fn.cls, examples)
 
 
 def _refuse(fn, effect: str):
@@ -154,7 +158,7 @@ def _fall_back(fn, effect: str) -> None:
     """auto(): the class stays an ordinary Function, which stock Dynamo traces
     (keeping its custom backward); the AutoReport lists it as an op only if
     an overload of it ever ran as one."""
-    from . import auto
+    from .._impl import auto_mode as auto
 
     cls = fn.cls
     auto.fall_back(
@@ -168,16 +172,16 @@ def _fall_back(fn, effect: str) -> None:
 def _side_effect(fn, tx, args, kwargs) -> "str | None":
     """What the forward changes besides its outputs, seen in an eager call or
     in its bytecode (Note [Forward side effects])."""
-    from .._impl import side_effects
+    from .._impl import side_effect_scan
 
-    effect = getattr(fn, "side_effects", None) or side_effects.static(fn)
-    if effect or not side_effects.argument_calls(fn):
+    effect = getattr(fn, "side_effects", None) or side_effect_scan.static(fn)
+    if effect or not side_effect_scan.argument_calls(fn):
         return effect
     try:  # the kinds of the arguments (a list argument's .append)
         examples = [_example(vt) for vt in _arg_trackers(fn, tx, args, kwargs)]
     except Exception:  # (an argument no op takes: refused or fallen back later)
         return None
-    return side_effects.on_arguments(fn, examples)
+    return side_effect_scan.on_arguments(fn, examples)
 
 
 def _watched(fn, examples, run):
@@ -212,7 +216,7 @@ def _kept_opaque(fn, effect: str) -> None:
 
 
 def _routed_call_apply(original):
-    from . import auto
+    from .._impl import auto_mode as auto
 
     def call_apply(self, tx, args, kwargs):
         cls = self.fn_cls
@@ -221,9 +225,7 @@ def _routed_call_apply(original):
             if auto.active():
                 auto.warn_if_traced_inline(cls)
             return original(self, tx, args, kwargs)
-        if _dtensor_without_rule(tx, fn, args, kwargs):  # Note [Sharding opaque ops]
-            if fn.explicit:
-                raise _sharding.missing_rule_error(fn.display_name)
+        if _runs_stock(tx, fn, args, kwargs):  # Note [Sharding opaque ops]
             return original(self, tx, args, kwargs)  # this call only
         compiling = _compiling(tx)
         effect = _side_effect(fn, tx, args, kwargs) if compiling else None
@@ -283,7 +285,7 @@ def _as_apply_call(tx, cls_vt, args, kwargs):
 def _routed_function_call(original):
     """Calls of the rerouted Function.apply that Dynamo did not recognise as
     ``Cls.apply`` (an alias bound before wrap): the class's call_apply."""
-    from .apply import is_apply
+    from .._impl.apply_route import is_apply
 
     def call_function(self, tx, args, kwargs):
         if is_apply(getattr(self, "fn", None)):
@@ -331,41 +333,6 @@ def install() -> None:
     from . import compiled_double_backward
 
     compiled_double_backward.install()  # Note [Double backward in compiled graphs]
-
-
-class AfterFirstImport(importlib.abc.MetaPathFinder):
-    """Calls ``then(module)`` right after module `name` has first been
-    imported (executed in full), once; ``arm()`` puts it on sys.meta_path and
-    it removes itself when it fires."""
-
-    def __init__(self, name: str, then) -> None:
-        self.name, self.then = name, then
-
-    def arm(self) -> None:
-        if self not in sys.meta_path:
-            sys.meta_path.insert(0, self)
-
-    def find_spec(self, name, path, target=None):
-        if name != self.name:
-            return None
-        for finder in sys.meta_path:
-            if finder is self or not hasattr(finder, "find_spec"):
-                continue
-            spec = finder.find_spec(name, path, target)
-            if spec is not None:
-                break
-        else:
-            return None
-        exec_module = spec.loader.exec_module
-
-        def exec_then(module):
-            exec_module(module)
-            if self in sys.meta_path:
-                sys.meta_path.remove(self)
-            self.then(module)
-
-        spec.loader.exec_module = exec_then
-        return spec
 
 
 # Installs the hook right after ``torch._dynamo`` has been imported.

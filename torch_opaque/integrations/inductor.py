@@ -69,10 +69,12 @@ import weakref
 import torch
 from torch.utils._pytree import tree_flatten, tree_map_only
 
-from .. import _C, config
-from . import side_effects
-from .fake_from_real import discarding_fresh_unbacked
-from .tracing import dynamo_disabled
+from .. import config
+from .._native import _C
+from .._impl import side_effect_scan, side_effects
+from .._impl.extension_points import AfterFirstImport
+from .._impl.fake_from_real import discarding_fresh_unbacked
+from .._impl.tracing import dynamo_disabled
 
 log = logging.getLogger("torch_opaque")
 
@@ -135,7 +137,7 @@ def _has_side_effects(fn) -> bool:
     """A forward that changes state outside its outputs (Note [Forward side
     effects]): inlined, its effect would happen once, when the graph is
     traced; kept an opaque call, its kernel applies it at each call."""
-    return fn is not None and bool(fn.side_effects or side_effects.static(fn))
+    return fn is not None and bool(fn.side_effects or side_effect_scan.static(fn))
 
 
 def _check(run, values, name: str, what: str, fn=None):
@@ -278,8 +280,6 @@ def _arm() -> None:
     if _armed:
         return
     _armed = True
-    from ..hooks.dynamo import AfterFirstImport
-
     def tables_loaded(_module):
         for table in _tables():
             table.update(_ENTRIES)

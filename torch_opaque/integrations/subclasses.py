@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import torch
 
-from .kernels import FakeRunner
+from .._impl.kernels import FakeRunner
 
 
 def _subclasses() -> tuple:
@@ -81,3 +81,8 @@ class SubclassRules:
             torch.library.register_torch_dispatch(ov.op, sub, self.main, lib=lib)
             torch.library.register_torch_dispatch(ov.fwd_op, sub, self.forward, lib=lib)
             torch.library.register_torch_dispatch(ov.bwd_op, sub, self.backward, lib=lib)
+
+
+def register(overload) -> None:
+    """The wrapper-subclass rules of a new overload (Note [Ops on wrapper subclasses])."""
+    SubclassRules(overload).register(overload, overload.fn.lib)

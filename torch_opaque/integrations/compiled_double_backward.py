@@ -358,7 +358,7 @@ def install() -> None:
         # Importing it from the Dynamo hook could re-enter a partially imported
         # torch._inductor (torch.compile's first call imports Inductor, which
         # imports Dynamo), so the patch waits for its first import.
-        from .dynamo import AfterFirstImport
+        from .._impl.extension_points import AfterFirstImport
 
         AfterFirstImport(_COMMON, _patch).arm()
     elif hasattr(common, "aot_autograd"):  # its last definition: fully imported

@@ -8,7 +8,7 @@ so binding it earlier or later makes no difference: whatever runs that
 function's code sees every call. We therefore keep the function object (and
 the ``Function.apply`` attribute) as they are and swap only its ``__code__``
 for a two-line trampoline that calls ``route(cls, *args, **kwargs)``;
-``route`` (torch_opaque._impl.function.route_apply) runs the op of a wrapped class
+``route`` (torch_opaque._impl.routing.route_apply) runs the op of a wrapped class
 (or, inside ``auto()``, of an eligible class) and otherwise calls
 ``ORIGINAL_APPLY``, a copy of the function with the original code and the
 same closure, so stock behaviour is unchanged.

@@ -5,8 +5,8 @@ torch_opaque/onnx/torch_onnx_export.py).
 
 Installed right after torch.onnx first imports its registry module (which
 imports onnxscript), never by ``import torch_opaque``: armed by the first op a
-process defines (``_impl.function.ensure_routing``, ``load_library``, stored
-ops), as the Dynamo hook is.
+process defines (the ``routing_installed`` and ``library_loaded`` extension
+points, Note [Extension points]), as the Dynamo hook is.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import sys
 import warnings
 import weakref
 
-from .dynamo import AfterFirstImport
+from .._impl.extension_points import AfterFirstImport
 
 REGISTRY_MODULE = "torch.onnx._internal.exporter._registration"
 
@@ -36,13 +36,12 @@ def install(module) -> None:
 
     def from_torchlib(klass, *args, **kwargs):
         registry = original.__func__(klass, *args, **kwargs)
-        from ..onnx.torch_onnx_export import add_translations
-
-        add_translations(registry)
+        finish(registry)
         return registry
 
     from_torchlib._torch_opaque = True
     from_torchlib._torch_opaque_original = original.__func__
+    from_torchlib._torch_opaque_finish = finish  # (onnx/registry.py's copies get it too)
     from_torchlib.__doc__ = original.__func__.__doc__
     cls.from_torchlib = classmethod(from_torchlib)
 
@@ -51,6 +50,20 @@ def install(module) -> None:
 # its first call, while torch.export captures the model inside torch.onnx.export,
 # joins them (the registry was built before the capture).
 LIVE_REGISTRIES: "weakref.WeakSet" = weakref.WeakSet()
+
+
+def finish(registry) -> None:
+    """A registry torch.onnx just built: a translation of every opaque op, and
+    of those defined while it is in use."""
+    from ..onnx.torch_onnx_export import add_translations
+
+    add_translations(registry)
+    LIVE_REGISTRIES.add(registry)
+
+
+def add_overload(overload) -> None:
+    """A Python Function's new overload: its ops join the live registries."""
+    new_ops((overload.op, overload.fwd_op, overload.bwd_op))
 
 
 def new_ops(targets) -> None:

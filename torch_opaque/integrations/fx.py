@@ -77,6 +77,9 @@ def traced_by_fx(values) -> bool:
     return False
 
 
+traces = traced_by_fx  # the ``tracers`` extension point asks ``traces`` and ``call``
+
+
 def _non_tensor(node: torch.fx.Node) -> bool:
     """Whether the graph shows that ``node`` produces something other than a
     tensor (a size, a dim, a Python number computed from them)."""
