@@ -9,7 +9,8 @@ import pytest
 
 PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "torch_opaque"
 
-# The core, and the foundations it stands on (the compiled extension, loaded by _native).
+# The core, and the foundations it stands on (the compiled extension, loaded by
+# _native; the handling of torch release differences, _compat).
 CORE = (
     "torch_opaque._impl",
     "torch_opaque.ops",
@@ -17,7 +18,7 @@ CORE = (
     "torch_opaque.config",
     "torch_opaque._native",
 )
-ALLOWED = CORE + ("torch_opaque._C",)
+ALLOWED = CORE + ("torch_opaque._C", "torch_opaque._compat")
 
 
 def _module_name(path: pathlib.Path) -> str:
