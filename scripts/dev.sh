@@ -203,7 +203,8 @@ matrix_release() {
 
 # Every release of RELEASES, after prepare_matrix (or now); a summary line each.
 run_matrix() {
-  local rel entry pid start status rc=0 summary=()
+  local rel entry pid start status rc=0 summary=() venvs=()
+  [ -x "$ROOT/.venv/bin/python" ] && venvs+=("$ROOT/.venv")
   for rel in $RELEASES; do
     pid=""
     for entry in "${PREPARING[@]}"; do
@@ -216,7 +217,14 @@ run_matrix() {
     fi
     if [ $status = FAIL ] || ! checked matrix_release "$rel"; then status=FAIL rc=1; fi
     summary+=("torch $rel: $status ($(( (SECONDS - start) / 60 )) min)")
+    [ $status = PASS ] && venvs+=("$(select_release "$rel" matrix; echo "$VENV")")
   done
+  if ((${#venvs[@]} > 1)); then
+    log "archives written under each release, loaded under the others (Note [Archives across releases])"
+    start=$SECONDS status=PASS
+    scripts/check_archive_compat.sh --across "${venvs[@]}" || status=FAIL rc=1
+    summary+=("archives across $(( ${#venvs[@]} )) releases: $status ($(( (SECONDS - start) / 60 )) min)")
+  fi
   if ((${#summary[@]})); then
     log "release matrix"
     printf '%s\n' "${summary[@]}"
