@@ -20,10 +20,10 @@
 # Exit status 0 when every fixture passed (the known loader bug below
 # counted as XFAIL, as in tests/archive/test_archive_compat.py).
 #
-# Workarounds, each printed when used (CHECK_COMPAT_NO_WORKAROUNDS=1: none,
-# the build then shows the failure): a CUDA build of torch gets the CUDA
-# toolkit found (CUDA_HOME, else /usr/local/cuda) and CUDA C++17 (CMake 3.25
-# has no CUDA20 for nvcc). (CMakeLists.txt picks C++20 itself for torch >=
+# Workarounds for commits from before the build handled these itself, each
+# printed when used (CHECK_COMPAT_NO_WORKAROUNDS=1: none, the build then shows
+# the failure): a CUDA build of torch gets the CUDA toolkit found (CUDA_HOME,
+# else /usr/local/cuda) and CUDA C++17 (CMake 3.25 has no CUDA20 for nvcc). (CMakeLists.txt picks C++20 itself for torch >=
 # 2.14; a commit from before that, with `set(CMAKE_CXX_STANDARD 17)`, gets the
 # clone's CMAKE_CXX_STANDARD raised to 20 where torch's headers need it.)
 # CHECK_COMPAT_DIAGNOSE=1 is for commits from before Note [Apply in C]
@@ -155,7 +155,10 @@ else
       log "NOTE: torch $torch_full's headers need C++20, CMakeLists.txt sets C++17 (no workaround)"
     fi
   fi
+  # (a commit from before Note [A CUDA build of torch without the CUDA toolkit]
+  # only: from then on the build needs no toolkit and no arguments)
   if [ "$("$PY" -c "import torch; print(torch.version.cuda or '')")" != "" ] &&
+     [ ! -f "$WORK/src/cmake/torch_opaqueFindTorch.cmake" ] &&
      [ -z "${CHECK_COMPAT_NO_WORKAROUNDS:-}" ]; then
     cuda=${CUDA_HOME:-/usr/local/cuda}
     log "WORKAROUND: torch $torch_full is a CUDA build: its CMake package needs the CUDA toolkit ($cuda); CUDA C++17, TORCH_CUDA_ARCH_LIST=9.0 (torch_opaque compiles no CUDA)"
