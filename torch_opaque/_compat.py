@@ -44,3 +44,29 @@ def hide_ctx_properties_from_torchscript() -> list[str]:
         kept = list(getattr(ctx, "__jit_unused_properties__", []))
         ctx.__jit_unused_properties__ = kept + [n for n in names if n not in kept]
     return names
+
+
+# Note [Aliases bound before routing, where apply is C]: on torch 2.13
+# Function.apply is Python code, which torch_opaque swaps in place, so every
+# alias `f = Cls.apply`, bound whenever, reaches the route (Note [Apply
+# interception] in hooks/apply.py). From 2.14 it is a C method and the route
+# is a new Function.apply attribute (Note [Apply in C]): an alias bound before
+# it is installed keeps the C method and runs the stock Function, silently,
+# even inside auto() (docs/auto.md's first example: `cube = Cube.apply` at
+# module level, then auto(), gave "0 op(s)", Cube traced into ATen ops and
+# its backward lost). So on those releases importing torch_opaque installs
+# the route (Function.apply replaced; Dynamo's hook stays lazy, torch._dynamo
+# is not imported): aliases bound after `import torch_opaque` are routed, as
+# on 2.13; only those bound before it are not (docs/limits.md). On 2.13
+# importing changes nothing in torch, and the first wrap/op/auto() installs
+# the route as before.
+def route_apply_on_import() -> bool:
+    """Installs the apply route now where Function.apply is C code; whether it did."""
+    from .hooks import apply as apply_hook
+
+    if apply_hook._C_APPLY is None:
+        return False
+    from ._impl.function import ensure_routing
+
+    ensure_routing()
+    return True
