@@ -20,8 +20,10 @@
 # against the installed CMake package included), the seed demo, the tests of
 # tests/release_subset.txt under coverage, a check that they ran code of every
 # module of the package (scripts/check_release_coverage.py), and CTest less
-# its `slow` label. Their torch downloads run in the background while the dev
-# pin's suite runs. The whole suite on any release: TORCH_OPAQUE_TORCH=2.15.0
+# its `slow` label. Then archives written under each release are loaded under
+# the others (scripts/check_archive_compat.sh --across: Note [Archives across
+# releases]). Their torch downloads run in the background while the dev pin's
+# suite runs. The whole suite on any release: TORCH_OPAQUE_TORCH=2.15.0
 # scripts/dev.sh test. TORCH_OPAQUE_RELEASES="2.15.0" (or "") picks the
 # matrix; `test` with pytest arguments runs only those, on one release.
 RELEASES=${TORCH_OPAQUE_RELEASES-"2.14.1 2.15.0"}
