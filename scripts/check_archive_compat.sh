@@ -20,10 +20,10 @@
 # Exit status 0 when every fixture passed (the known loader bug below
 # counted as XFAIL, as in tests/archive/test_archive_compat.py).
 #
-# Workarounds, each printed when used (CHECK_COMPAT_NO_WORKAROUNDS=1: none,
-# the build then shows the failure): a CUDA build of torch gets the CUDA
-# toolkit found (CUDA_HOME, else /usr/local/cuda) and CUDA C++17 (CMake 3.25
-# has no CUDA20 for nvcc). (CMakeLists.txt picks C++20 itself for torch >=
+# Workarounds for commits from before the build handled these itself, each
+# printed when used (CHECK_COMPAT_NO_WORKAROUNDS=1: none, the build then shows
+# the failure): a CUDA build of torch gets the CUDA toolkit found (CUDA_HOME,
+# else /usr/local/cuda) and CUDA C++17 (CMake 3.25 has no CUDA20 for nvcc). (CMakeLists.txt picks C++20 itself for torch >=
 # 2.14; a commit from before that, with `set(CMAKE_CXX_STANDARD 17)`, gets the
 # clone's CMAKE_CXX_STANDARD raised to 20 where torch's headers need it.)
 # CHECK_COMPAT_DIAGNOSE=1 is for commits from before Note [Apply in C]
@@ -31,9 +31,72 @@
 # patches the clone so that ORIGINAL_APPLY calls the C method and apply
 # routing stays off. Only to see whether the loader itself reads the archives
 # under that torch; a PASS then is no support.
+#
+# Across the tested releases (Note [Archives across releases]):
+#
+#   scripts/check_archive_compat.sh --across VENV1 VENV2 ...
+#
+# each VENV an environment with torch_opaque installed (scripts/dev.sh's
+# .venv and .venv-torch-X.Y: the release matrix runs this after building them):
+# the archives of tests/fixtures/make_archives_v2.py are written anew under
+# each one's torch and each self-contained one is loaded under every other
+# one's, as in step 3 below. One PASS/FAIL line per writer, reader and archive.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
+
+# Note [Archives across releases]: a self-contained archive saved under one
+# supported torch release loads, runs, computes what the stock Functions
+# computed and saves again under each of the others, older ones included
+# (docs/shipping.md, "Compatibility"). The kept fixtures (written under 2.13)
+# are loaded by tests/archive/test_archive_compat.py on every release of the
+# matrix; this checks the archives each release writes today.
+torch_of() { "$1/bin/python" -c "import importlib.metadata as m; print(m.version('torch'))"; }
+across() {
+  local work writer reader name failed=0 out json
+  work=$(mktemp -d)
+  for writer in "$@"; do
+    name=torch-$(torch_of "$writer")
+    mkdir -p "$work/$name"
+    if ! (cd "$work" && PYTHONPATH="$ROOT:$ROOT/tests" "$writer/bin/python" \
+          "$ROOT/tests/fixtures/make_archives_v2.py" "$work/$name" >"$work/$name.log" 2>&1); then
+      printf 'FAIL writing under %s: %s\n' "$name" "$(grep -E 'Error' "$work/$name.log" | tail -1)"
+      failed=1
+      continue
+    fi
+    for reader in "$@"; do
+      [ "$reader" = "$writer" ] && continue
+      for archive in "$work/$name"/v2_*_sc.pt2; do
+        out=$(mktemp -d)
+        (cd "$out" && env -u PYTHONPATH "$reader/bin/python" "$ROOT/tests/support/scripts/load_compat_check.py" \
+          "$archive" "${archive%_sc.pt2}_ref.pt" "{}" self_contained >out.txt 2>err.txt)
+        json=$(grep '^{' "$out/out.txt" | tail -1)
+        if [ -n "$json" ] && "$reader/bin/python" -c '
+import json, sys
+out = json.loads(sys.argv[1])
+assert out["imported"] == [] and out["findable"] is False, out' "$json" 2>/dev/null; then
+          printf 'PASS %s written under %s, loaded under %s\n' "$(basename "$archive")" "$name" "torch-$(torch_of "$reader")"
+        else
+          printf 'FAIL %s written under %s, loaded under %s: %s\n' "$(basename "$archive")" "$name" \
+            "torch-$(torch_of "$reader")" "$(grep -E 'Error|error|assert' "$out/err.txt" | tail -1)"
+          failed=1
+        fi
+        rm -rf "$out"
+      done
+    done
+  done
+  rm -rf "$work"
+  [ $failed -eq 0 ] && echo "archives across releases: PASS" || echo "archives across releases: FAIL"
+  return $failed
+}
+if [ "${1:-}" = --across ]; then
+  shift
+  venvs=()
+  for v in "$@"; do venvs+=("$(cd "$v" && pwd)"); done
+  across "${venvs[@]}"
+  exit
+fi
+
 VENV=${1:-/tmp/venv214}
 TORCH_VERSION=${2:-2.14.1}
 WORK=${WORK:-/tmp/torch_opaque_compat-$TORCH_VERSION}
@@ -92,7 +155,10 @@ else
       log "NOTE: torch $torch_full's headers need C++20, CMakeLists.txt sets C++17 (no workaround)"
     fi
   fi
+  # (a commit from before Note [A CUDA build of torch without the CUDA toolkit]
+  # only: from then on the build needs no toolkit and no arguments)
   if [ "$("$PY" -c "import torch; print(torch.version.cuda or '')")" != "" ] &&
+     [ ! -f "$WORK/src/cmake/torch_opaqueFindTorch.cmake" ] &&
      [ -z "${CHECK_COMPAT_NO_WORKAROUNDS:-}" ]; then
     cuda=${CUDA_HOME:-/usr/local/cuda}
     log "WORKAROUND: torch $torch_full is a CUDA build: its CMake package needs the CUDA toolkit ($cuda); CUDA C++17, TORCH_CUDA_ARCH_LIST=9.0 (torch_opaque compiles no CUDA)"

@@ -393,15 +393,15 @@ def _died(rc) -> str:
 
 
 def run_cases(
-    cases, tmp_path, marker, case_cpu_kill_s: float = CASE_CPU_KILL_S, as_limit_mib: int = 0,
+    cases, tmp_path, marker, case_cpu_kill_s: float = CASE_CPU_KILL_S, as_headroom_mib: int = 0,
     script: str = "load_and_inspect_cases.py", with_fixtures: bool = True,
 ) -> dict:  # fmt: skip
     """Loads, inspects and runs each case (name, path, load options, ...) in a
     fresh interpreter (`script` in tests/support/scripts, working directory
     `tmp_path`; `with_fixtures`: tests/ on its path): name -> its result. A case
     the interpreter died in gets {"died": how}, and the cases after it run in a
-    fresh interpreter. `as_limit_mib`: the child's address-space limit
-    (RLIMIT_AS), 0 for none."""
+    fresh interpreter. `as_headroom_mib`: the address space the cases may add
+    to the child's once it imported torch (RLIMIT_AS), 0 for no limit."""
     import subprocess
 
     from support.processes import run_python
@@ -413,7 +413,7 @@ def run_cases(
         spec.write_text(json.dumps([{"name": c[0], "path": str(c[1]), "options": c[2]} for c in todo]))
         try:
             proc = run_python(
-                script=script, args=[marker, spec, case_cpu_kill_s, as_limit_mib],
+                script=script, args=[marker, spec, case_cpu_kill_s, as_headroom_mib],
                 cwd=tmp_path, with_fixtures=with_fixtures, timeout=600,
             )  # fmt: skip
             out, err, rc = proc.stdout, proc.stderr, proc.returncode
@@ -437,10 +437,12 @@ def run_cases(
     return results
 
 
-def check_results(cases, results, peak_mib: float) -> list:
+def check_results(cases, results, peak_rise_mib: float) -> list:
     """The failures: each case's steps against its expectations (name, path,
     options, expected load, expected inspect), the marker, the CPU time of each
-    step, its peak memory, whether the program run changed its inputs.
+    step, how far its peak memory rose (Note [Memory measured from the imported
+    interpreter] in support/scripts/load_and_inspect_cases.py), whether the
+    program run changed its inputs.
 
     An expectation is "ok", ANY, or (error type, text or tuple of texts the
     message contains); an error must be one torch_opaque raises (a
@@ -459,8 +461,8 @@ def check_results(cases, results, peak_mib: float) -> list:
                 failures.append(f"{name}: {what} ran the payload")
             if r[what + "_cpu_s"] > STEP_CPU_S:
                 failures.append(f"{name}: {what} took {r[what + '_cpu_s']:.1f} s of CPU")
-            if r[what + "_peak_mib"] > peak_mib:
-                failures.append(f"{name}: {what} peaked at {r[what + '_peak_mib']:.0f} MiB")
+            if r[what + "_peak_rise_mib"] > peak_rise_mib:
+                failures.append(f"{name}: {what} raised the peak resident size by {r[what + '_peak_rise_mib']:.0f} MiB")
             if what == "run":
                 if r.get("run_mutated"):
                     failures.append(f"{name}: running the loaded program changed its inputs")

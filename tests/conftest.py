@@ -1,12 +1,11 @@
-import pathlib
-
 import pytest
 import torch
 
 # examples/cpp's ops library, built by scripts/dev.sh against the installed
 # CMake package: example::scaled_sin, top_value, weighted_sum, power_means,
-# threshold_select, scaled_arange.
-EXAMPLE_OPS_LIB = pathlib.Path(__file__).resolve().parents[1] / "build" / "examples_cpp" / "libexample_ops.so"
+# threshold_select, scaled_arange (in the build tree of this interpreter's
+# torch release: Note [One build tree per torch release]).
+from support.build_tree import EXAMPLE_OPS_LIB, missing
 
 
 @pytest.fixture(scope="module")
@@ -14,7 +13,7 @@ def example_ops():
     """Loads EXAMPLE_OPS_LIB (once per process; later loads are no-ops)."""
     import torch_opaque
 
-    assert EXAMPLE_OPS_LIB.exists(), f"{EXAMPLE_OPS_LIB} is missing: run scripts/dev.sh build first"
+    assert EXAMPLE_OPS_LIB.exists(), missing(EXAMPLE_OPS_LIB)
     torch_opaque.load_library(EXAMPLE_OPS_LIB)
 
 

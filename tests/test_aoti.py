@@ -22,11 +22,12 @@ import pytest
 import torch.utils
 
 import torch_opaque
+from support.build_tree import EXAMPLE_OPS_LIB, missing
 from support.processes import run_python
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "aoti"
-LIB = ROOT / "build" / "examples_cpp" / "libexample_ops.so"
+LIB = EXAMPLE_OPS_LIB
 INSTALL = pathlib.Path(torch_opaque.cmake_prefix_path)
 TIMEOUT_S = 1800  # per step: generous, the machine may be slow and busy
 
@@ -40,7 +41,7 @@ def _check(proc: subprocess.CompletedProcess, what: str) -> None:
 @pytest.fixture(scope="module")
 def pipeline(tmp_path_factory):
     """Packages the model and builds run_package, side by side."""
-    assert LIB.exists(), f"{LIB} is missing: run scripts/dev.sh build first"
+    assert LIB.exists(), missing(LIB)
     assert (INSTALL / "lib" / "cmake" / "torch_opaque").is_dir(), (
         f"{INSTALL} has no torch_opaque CMake package: install torch_opaque (scripts/dev.sh build)"
     )

@@ -7,22 +7,22 @@ same math as a stock autograd.Function called eagerly under autocast.
 The ops are tests/cpp/autocast_test_ops.cpp's: opaque_autocast_test::matmul
 (``x @ w``) and scaled_matmul (``(x @ w) * scale``, with a fake)."""
 
-import pathlib
 
 import pytest
 import torch
 
 import torch_opaque
 from support.autocast_steps import assert_same, step
+from support.build_tree import TEST_LIBS, missing
 from support.processes import last_json, run_python
 
-LIB = pathlib.Path(__file__).resolve().parents[1] / "build" / "tests" / "cpp" / "libautocast_test_ops.so"
+LIB = TEST_LIBS / "libautocast_test_ops.so"
 AUTOCAST = "cpu:torch.bfloat16"
 
 
 @pytest.fixture(scope="module", autouse=True)
 def ops():
-    assert LIB.exists(), f"{LIB} is missing: run scripts/dev.sh build first"
+    assert LIB.exists(), missing(LIB)
     torch_opaque.load_library(LIB)
     return torch.ops.opaque_autocast_test
 

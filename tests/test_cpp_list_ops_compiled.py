@@ -12,14 +12,15 @@ std::vector<torch_opaque::Gradient>. The reference is the same math in torch
 ops, differentiated by autograd."""
 
 import operator
-import pathlib
 
 import pytest
 import torch
 from functorch.compile import make_boxed_func
 from torch._dynamo.backends.common import aot_autograd
 
-LIB = pathlib.Path(__file__).resolve().parents[1] / "build" / "tests" / "cpp" / "liblist_grad_test_ops.so"
+from support.build_tree import TEST_LIBS, missing
+
+LIB = TEST_LIBS / "liblist_grad_test_ops.so"
 BACKENDS = ["eager", "aot_eager", "inductor"]
 
 
@@ -27,7 +28,7 @@ BACKENDS = ["eager", "aot_eager", "inductor"]
 def ops():
     import torch_opaque
 
-    assert LIB.exists(), f"{LIB} is missing: run scripts/dev.sh build first"
+    assert LIB.exists(), missing(LIB)
     torch_opaque.load_library(LIB)
     return torch.ops.opaque_list_compile_test
 

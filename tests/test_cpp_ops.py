@@ -13,6 +13,7 @@ import torch
 
 import torch_opaque
 from conftest import aten_calls, op_calls
+from support.build_tree import TEST_LIBS, missing
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -114,8 +115,8 @@ def test_failed_registrations_raise_a_catchable_error():
     """A library whose TORCH_OPAQUE_DEF lines fail at load time: a Python
     exception that names each failure, not a process ended by std::terminate;
     the op that did register works."""
-    bad = ROOT / "build" / "tests" / "cpp" / "libbad_registration_ops.so"
-    assert bad.exists(), f"{bad} is missing: run scripts/dev.sh build first"
+    bad = TEST_LIBS / "libbad_registration_ops.so"
+    assert bad.exists(), missing(bad)
     with pytest.raises(torch_opaque.RegistrationError) as info:
         torch_opaque.load_library(bad)
     msg = str(info.value)
@@ -131,8 +132,8 @@ def test_the_benchmark_baseline_is_a_correct_op():
     """The C++ benchmark's hand-written op (benchmarks/cpp/handwritten_scaled_sin.cpp,
     without Meta kernels) passes what the torch_opaque op passes: opcheck,
     export with one node, compile with its backward op."""
-    lib = ROOT / "build" / "tests" / "cpp" / "libhandwritten_ops.so"
-    assert lib.exists(), f"{lib} is missing: run scripts/dev.sh build first"
+    lib = TEST_LIBS / "libhandwritten_ops.so"
+    assert lib.exists(), missing(lib)
     torch.ops.load_library(str(lib))
     op = torch.ops.handwritten.scaled_sin.default
     torch.library.opcheck(op, (torch.randn(3, 4, requires_grad=True), 0.5))

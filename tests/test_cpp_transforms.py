@@ -233,12 +233,11 @@ def test_compiled_jvp_and_vmap():
 
 @pytest.fixture(scope="module")
 def transform_test_ops():
-    import pathlib
-
     import torch_opaque
+    from support.build_tree import TEST_LIBS, missing
 
-    lib = pathlib.Path(__file__).resolve().parents[1] / "build" / "tests" / "cpp" / "libtransform_test_ops.so"
-    assert lib.exists(), f"{lib} is missing: run scripts/dev.sh build first"
+    lib = TEST_LIBS / "libtransform_test_ops.so"
+    assert lib.exists(), missing(lib)
     torch_opaque.load_library(lib)
     return torch.ops.opaque_transform_test
 

@@ -17,6 +17,7 @@ import sys
 import pytest
 
 import torch_opaque
+from support.build_tree import BUILD
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
@@ -48,7 +49,7 @@ def page_run(tmp_path_factory):
     # A reader runs the pages from a checkout: files they write land in a
     # scratch folder, paths into the build tree resolve through a link.
     cwd = tmp_path_factory.mktemp("pages")
-    (cwd / "build").symlink_to(ROOT / "build")
+    (cwd / "build").symlink_to(BUILD)  # this release's tree (Note [One build tree per torch release])
     (cwd / "examples").symlink_to(ROOT / "examples")
     pictures = tmp_path_factory.mktemp("pictures")
     proc = _run(["--pictures", str(pictures), *map(str, PAGES_WITH_PYTHON)], cwd)

@@ -25,8 +25,13 @@ from ._impl import cpp_fakes as _cpp_fakes
 from .training import export_training, training_outputs
 from .integrations.sharding import register_sharding  # Note [Sharding opaque ops]
 
-# Importing changes nothing in torch: the first wrap()/op/auto() reroutes
-# Function.apply and arms the Dynamo hook (torch_opaque/integrations/__init__.py).
+# Importing changes nothing in torch on 2.13: the first wrap()/op/auto() reroutes
+# Function.apply and arms the Dynamo hook (torch_opaque/integrations/__init__.py). From
+# 2.14, where Function.apply is C code, importing reroutes it (Note [Aliases
+# bound before routing, where apply is C] in torch_opaque/_compat.py).
+from . import _compat
+
+_compat.route_apply_on_import()
 
 
 def load_library(path) -> None:

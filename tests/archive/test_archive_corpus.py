@@ -24,10 +24,11 @@ from support.processes import run_python
 MANIFEST = "/extra/torch_opaque.json"
 ALLOW = {"allow": ["opaque_fixtures"]}
 ANY = C.ANY
-# MiB, every 1 GiB bomb included: an interpreter with torch and torch_opaque
-# imported peaks at several hundred MiB (504 was seen once); an inflated bomb
-# would add 1,024.
-PEAK_MIB = 700
+# MiB a step may raise the peak resident size of the imported interpreter
+# (Note [Memory measured from the imported interpreter]), every 1 GiB bomb
+# included: the whole interpreter once peaked at 504 MiB under a bound of 700
+# when torch's import held ~350; an inflated bomb would add 1,024.
+PEAK_RISE_MIB = 350
 
 
 @pytest.fixture(scope="module")
@@ -457,9 +458,9 @@ def test_crafted_archives_run_nothing(base, tmp_path):
     # one for those that allow the defining module.
     for batch in ([c for c in cases if not c[2]], [c for c in cases if c[2]]):
         results.update(C.run_cases(batch, tmp_path, marker))
-    failures = C.check_results(cases, results, PEAK_MIB)
-    steps = [(r.get(w + "_peak_mib", 0), r.get(w + "_cpu_s", 0), f"{n}: {w}") for n, r in results.items() for w in ("load", "inspect", "run")]
-    print(f"{len(cases)} cases; highest peaks (MiB): " + "; ".join(f"{p:.0f} {s}" for p, _, s in sorted(steps)[-4:]))
+    failures = C.check_results(cases, results, PEAK_RISE_MIB)
+    steps = [(r.get(w + "_peak_rise_mib", 0), r.get(w + "_cpu_s", 0), f"{n}: {w}") for n, r in results.items() for w in ("load", "inspect", "run")]
+    print(f"{len(cases)} cases; highest rises of the peak (MiB): " + "; ".join(f"{p:.0f} {s}" for p, _, s in sorted(steps)[-4:]))
     print("most CPU (s): " + "; ".join(f"{c:.1f} {s}" for _, c, s in sorted(steps, key=lambda x: x[1])[-4:]))
     assert not failures, f"{len(failures)} failures:\n" + "\n".join(failures)
     assert not marker.exists()

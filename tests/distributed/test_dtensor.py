@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import EXAMPLE_OPS_LIB
+from support.build_tree import EXAMPLE_OPS_LIB, missing
 from support.processes import child_env
 
 WORKER = Path(__file__).resolve().parent / "dtensor_worker.py"
@@ -35,7 +35,7 @@ def results():
 
     if not dist.is_available() or not dist.is_gloo_available():
         pytest.skip("torch without gloo")
-    assert EXAMPLE_OPS_LIB.exists(), f"{EXAMPLE_OPS_LIB} is missing: run scripts/dev.sh build first"
+    assert EXAMPLE_OPS_LIB.exists(), missing(EXAMPLE_OPS_LIB)
     port = _free_port()
     procs = [
         subprocess.Popen(

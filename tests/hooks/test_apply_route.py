@@ -77,3 +77,42 @@ def test_unrouted_apply_tracebacks_point_at_torch_source():
 
 def test_inlined_check_refuses_code_it_cannot_read():
     assert apply_hook._inlined_trampoline(compile("x = 1", "<nowhere>", "exec")) is None
+
+
+ALIAS_CHILD = """
+import json, torch
+import torch_opaque
+
+class Cube(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x ** 3
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        return 3 * x ** 2 * g
+
+cube = Cube.apply  # bound after the import, before any wrap or auto()
+
+class M(torch.nn.Module):
+    def forward(self, x):
+        return cube(x)
+
+with torch_opaque.auto() as report:
+    ep = torch.export.export(M(), (torch.randn(3),))
+print(json.dumps({"ops": len(report.ops), "nodes": [str(n.target) for n in ep.graph.nodes if n.op == "call_function"]}))
+"""
+
+
+def test_an_alias_bound_after_import_is_routed_on_every_release():
+    """Note [Aliases bound before routing, where apply is C] (torch_opaque/_compat.py):
+    where Function.apply is C code (torch >= 2.14) importing torch_opaque installs
+    the route, so an alias bound after the import is an op inside auto(), as on 2.13."""
+    from torch_opaque import _compat
+    from support.processes import last_json, run_python
+
+    assert _compat.route_apply_on_import() == (apply_hook._C_APPLY is not None)
+    out = last_json(run_python(ALIAS_CHILD))
+    assert out["ops"] == 1, out
+    assert len(out["nodes"]) == 1 and out["nodes"][0].startswith("opaque.Cube_"), out  # one op node, no ATen

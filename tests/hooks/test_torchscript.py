@@ -7,13 +7,16 @@ the custom backward equal the stock Function's, and the module saves and loads.
 """
 
 import io
+import pathlib
 import warnings
 
 import pytest
 import torch
 
 import torch_opaque
+from torch_opaque import _compat
 from torch_opaque.errors import SchemaError, UnsupportedError
+from support.processes import run_python
 
 
 class STE(torch.autograd.Function):
@@ -128,6 +131,10 @@ def ste_module(fn):
 
 
 def test_stock_scripts_a_python_call_that_cannot_be_saved():
+    """An unwrapped Function, with torch_opaque in use (its TorchScript hook
+    installed: on torch 2.15 stock TorchScript scripts no Function call without
+    it, test_ctx_properties_are_hidden_from_torchscript)."""
+    wrapped(Pair)  # the first wrap installs the hooks
     scripted = torch.jit.script(ste_module(STE))
     assert python_calls(scripted.graph)
     assert_like(scripted, ste_module(STE))
@@ -228,3 +235,33 @@ def test_auto_keeps_a_python_call_when_no_overload_is_defined():
         scripted = torch.jit.script(ste_module(AutoSTE))
     assert python_calls(scripted.graph) and not op_nodes(scripted.graph, AutoSTE)
     assert_like(scripted, ste_module(STE))
+
+
+CTX_PROPERTIES_CHILD = """
+import torch, torch_opaque
+from test_torchscript import STE, ste_module
+def script():
+    try:
+        torch.jit.script(ste_module(STE))
+        return "scripted"
+    except RuntimeError as e:
+        return "dots" if "Expression of type dots" in str(e) else repr(e)
+before = script()
+torch_opaque.wrap(type("W", (STE,), {}))  # installs the TorchScript hook
+print(before, script())
+"""
+
+
+def test_ctx_properties_are_hidden_from_torchscript():
+    """Note [ctx properties TorchScript cannot compile]: where FunctionCtx has
+    properties (torch 2.15: input_grad_buffers), stock TorchScript cannot script
+    a call of an unwrapped Function; once torch_opaque's hook is installed it
+    can, as on the releases without them (2.13, 2.14)."""
+    ctx = torch.autograd.function.FunctionCtx
+    properties = sorted(n for n in dir(ctx) if isinstance(getattr(ctx, n, None), property))
+    assert _compat.hide_ctx_properties_from_torchscript() == properties
+    assert set(properties) <= set(getattr(ctx, "__jit_unused_properties__", []))
+    proc = run_python(CTX_PROPERTIES_CHILD, with_fixtures=True, extra_path=[pathlib.Path(__file__).parent])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    before, after = proc.stdout.split()[-2:]
+    assert (before, after) == ("dots" if properties else "scripted", "scripted")

@@ -96,6 +96,7 @@ def check_wheel(whl: pathlib.Path, torch_version: str, unpacked: pathlib.Path) -
         "torch_opaque/include/torch_opaque/op.h",
         "torch_opaque/lib/cmake/torch_opaque/torch_opaqueConfig.cmake",
         "torch_opaque/lib/cmake/torch_opaque/torch_opaqueConfigVersion.cmake",
+        "torch_opaque/lib/cmake/torch_opaque/torch_opaqueFindTorch.cmake",
         "torch_opaque/lib/cmake/torch_opaque/torch_opaqueTargets.cmake",
         "torch_opaque/__init__.py",
     ]

@@ -147,6 +147,10 @@ def install() -> None:
     _installed = True
     from torch import _jit_internal
 
+    from .. import _compat
+
+    _compat.hide_ctx_properties_from_torchscript()  # Note [ctx properties TorchScript cannot compile]
+
     make = getattr(_jit_internal, "createResolutionCallbackFromEnv", None)
     users = ("createResolutionCallbackFromClosure", "createResolutionCallbackFromFrame")
     if not callable(make) or any(

@@ -4,8 +4,18 @@ planted payload's marker file exists, the CPU time and the peak memory.
 
 argv: marker file, cases (JSON file: name, path, load options), CPU seconds a
 case may use before the kernel stops the process (RLIMIT_CPU, SIGXCPU), and
-the address-space limit in MiB (RLIMIT_AS; 0: none), set before torch is
-imported.
+the address space in MiB the cases may add to what the interpreter maps once
+torch and torch_opaque are imported (RLIMIT_AS; 0: no limit).
+
+Note [Memory measured from the imported interpreter]: what importing torch
+costs depends on the build: torch 2.13's CPU build maps ~0.6 GiB and holds
+~220 MiB resident, the CUDA builds of 2.14 and 2.15 map ~3 GiB and hold
+~510 MiB. So both bounds are taken from the interpreter as it is once
+imported, not as absolute sizes: the address-space limit is set after the
+imports, that much above the size mapped then, and each step reports
+``<step>_peak_rise_mib``, how far its peak resident size rose above the
+resident size at its start (VmHWM reset, then read; where it cannot be reset,
+the process's lifetime peak, which can only read higher).
 
 One line per case on stdout, ``CASE <json>``, preceded by ``START <name>``
 (flushed), so that the test can tell which case a crash happened in and go on
@@ -22,9 +32,7 @@ found is reported and removed, so that each case is judged alone."""
 import json, os, resource, sys, time
 
 marker, cases, case_cpu = sys.argv[1], json.load(open(sys.argv[2])), float(sys.argv[3])
-as_limit = int(sys.argv[4]) << 20
-if as_limit:
-    resource.setrlimit(resource.RLIMIT_AS, (as_limit, as_limit))
+as_headroom = int(sys.argv[4]) << 20
 import torch
 import torch_opaque
 from torch_opaque.cli.inspect import inspect_file
@@ -40,12 +48,18 @@ def reset_peak() -> bool:
         return False
 
 
+def status_mib(field: str) -> float:
+    """A size of /proc/self/status (VmHWM, VmRSS, VmSize), in MiB."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 1024
+    raise RuntimeError(f"no {field} in /proc/self/status")
+
+
 def peak_mib(resettable: bool) -> float:
     if resettable:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) / 1024
+        return status_mib("VmHWM")
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
@@ -97,6 +111,9 @@ def run(ep, r: dict) -> None:
                        and flags == [t.requires_grad for t in inputs])
 
 
+if as_headroom:
+    limit = int(status_mib("VmSize") * (1 << 20)) + as_headroom
+    resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
 resettable = reset_peak()
 for c in cases:
     print("START " + json.dumps(c["name"]), flush=True)
@@ -107,6 +124,7 @@ for c in cases:
         if what == "run" and loaded is None:
             continue
         reset_peak()
+        start_mib = status_mib("VmRSS")
         t = time.process_time()
         try:
             if what == "load":
@@ -122,6 +140,6 @@ for c in cases:
         r[what + "_marker"] = os.path.exists(marker)
         if r[what + "_marker"]:
             os.remove(marker)  # so that the next steps and cases are told apart
-        r[what + "_peak_mib"] = peak_mib(resettable)
+        r[what + "_peak_rise_mib"] = peak_mib(resettable) - start_mib
     loaded = None
     print("CASE " + json.dumps({"name": c["name"], "result": r}), flush=True)

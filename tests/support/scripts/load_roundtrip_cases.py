@@ -6,7 +6,7 @@ training step of it and compares it with the eager step of the saving process
 argv (as tests/archive_corpus.py's run_cases passes them): a marker file
 (unused), the cases (JSON: name, archive path, options: {"ref": the eager
 step, torch.save'd; "module": the defining module}), the CPU seconds a case
-may take (RLIMIT_CPU), an address-space limit (unused).
+may take (RLIMIT_CPU), an address-space headroom (unused).
 
 Prints ``START <name>`` before each case and ``CASE <json>`` after it, the
 result ``{"load": ..., "run": ...}`` each ``[error type or "ok", message]``."""
