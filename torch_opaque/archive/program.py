@@ -59,6 +59,7 @@ from ..errors import ArchiveError
 from .graph_grammar import check_program_json
 from .hop_forms import read_empty_results
 from .op_policy import check_stored_graph, sym_targets
+from .versions import check_archive_version
 from .zipio import ArchiveLimits, ZipReader
 
 MODELS_DIR = "models/"
@@ -463,38 +464,6 @@ def archive_root(z: ZipReader) -> str:
             f"folder, as torch.export.save writes them)."
         )
     return next(iter(roots)) + "/"
-
-
-# Note [Archive versions]: torch.export.save writes the pt2 layout's format
-# ('archive_format': "pt2") and version ('archive_version': "0") at the root;
-# torch.export.load refuses any other version. A file of another format or of
-# a version torch_opaque does not know is refused by name, with the values it
-# reads, before anything else of it is read (a missing version is 0, as torch
-# reads it; the manifest's own version is checked in manifest.py).
-ARCHIVE_FORMATS = ("pt2",)
-ARCHIVE_VERSIONS = ("0",)
-
-
-def check_archive_version(z: ZipReader, root: str) -> None:
-    """Note [Archive versions]."""
-    for entry, known, what in (
-        ("archive_format", ARCHIVE_FORMATS, "format"),
-        ("archive_version", ARCHIVE_VERSIONS, "version"),
-    ):
-        name = root + entry
-        if name not in z.infos:
-            continue
-        if z.infos[name].file_size > 64:
-            value = f"<{z.infos[name].file_size} bytes>"
-        else:
-            value = z.read(name, "other").decode("utf-8", "replace").strip()
-        if value not in known:
-            raise ArchiveError(
-                f"torch_opaque: {z.description} says its pt2 archive {what} is {value[:40]!r} "
-                f"('{name}'); torch_opaque reads the {what}s {', '.join(map(repr, known))} "
-                f"(what torch.export.save writes). Save the program again with "
-                f"torch_opaque.save, or load it with the torch that wrote it."
-            )
 
 
 def model_names(z: ZipReader, root: str) -> list:
