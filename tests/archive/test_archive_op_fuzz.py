@@ -193,7 +193,7 @@ def test_operators_outside_the_families_are_refused_with_the_way_on():
         ("torch.ops.aten._fft_r2c.default", "indexes memory with values from its arguments"),
         ("torch.ops.aten.embedding_bag.padding_idx", "indexes memory with values from its arguments"),
         ("torch.ops.aten.add.out", "an out= overload"),
-        ("torch.ops.aten.reflection_pad2d_backward.grad_input", "an out= overload"),
+        ("torch.ops.aten.replication_pad2d_backward.grad_input", "an out= overload"),
         ("torch.ops.aten.from_file.default", "reads or writes files"),
         ("torch.ops.aten.sin_.default", None),
         ("torch.ops.aten.view_.default", "not one of the operators"),  # no in-place form for views

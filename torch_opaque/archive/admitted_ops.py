@@ -27,8 +27,9 @@ took off the list the operators it crashed (``_cummax_helper``,
 ``_cummin_helper``, ``_stack``, ``_weight_norm_interface_backward``,
 ``_foreach_copy``, the ``embedding_bag`` family, ``_fft_r2c`` with dims past
 the input's rank and its siblings ``_fft_c2r``/``_fft_c2c``,
-``reflection_pad1d_backward`` with an empty padding, ``_cdist_backward``,
-``_pdist_backward``): op_policy.py refuses them with their reason.
+the ``reflection_pad*_backward`` ops (1d with an empty padding, 2d),
+``_weight_norm_interface`` (and ``_weight_norm``, which calls it),
+``_cdist_backward``, ``_pdist_backward``): op_policy.py refuses them with their reason.
 
 Example::
 
@@ -198,7 +199,7 @@ FAMILIES = (
         _native_batch_norm_legit _native_batch_norm_legit_functional
         _native_batch_norm_legit_no_training _batch_norm_with_update
         _batch_norm_with_update_functional _batch_norm_no_update batch_norm_backward instance_norm
-        rms_norm _fused_rms_norm _fused_rms_norm_backward _weight_norm _weight_norm_interface
+        rms_norm _fused_rms_norm _fused_rms_norm_backward  
          renorm
         """),
     ),
@@ -236,8 +237,8 @@ FAMILIES = (
         _names("""
         cat concat concatenate stack hstack vstack dstack  _chunk_cat constant_pad_nd pad
         reflection_pad1d reflection_pad2d reflection_pad3d replication_pad1d replication_pad2d
-        replication_pad3d  reflection_pad2d_backward
-        reflection_pad3d_backward replication_pad1d_backward replication_pad2d_backward
+        replication_pad3d  
+         replication_pad1d_backward replication_pad2d_backward
         replication_pad3d_backward _pad_circular repeat repeat_interleave tile roll flip fliplr
         flipud rot90 tril triu diag diag_embed diagflat block_diag broadcast_to broadcast_tensors
         meshgrid cartesian_prod combinations trace unfold_backward

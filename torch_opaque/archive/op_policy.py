@@ -103,7 +103,9 @@ _REFUSED = {
             # found by tests/archive/test_archive_op_fuzz.py (SIGSEGV or SIGABRT on hostile arguments)
             "_cummax_helper", "_cummin_helper", "_weight_norm_interface_backward", "_stack", "_foreach_copy",
             "_foreach_copy_", "embedding_bag", "_embedding_bag", "_embedding_bag_forward_only", "_fft_r2c",
-            "_fft_c2r", "_fft_c2c", "reflection_pad1d_backward", "_cdist_backward", "_pdist_backward",
+            "_fft_c2r", "_fft_c2c", "reflection_pad1d_backward", "reflection_pad2d_backward",
+            "reflection_pad3d_backward", "_cdist_backward", "_pdist_backward", "_weight_norm",
+            "_weight_norm_interface",
         },
     ),
     "sparse": (
