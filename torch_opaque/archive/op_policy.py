@@ -209,8 +209,6 @@ def check_target(t, custom_ok: Callable[[str], bool]) -> Optional[str]:
 def _computing_op(t: str, ns: str, name: str, overload: str) -> Optional[str]:
     if name in _WHY_REFUSED:
         return _refused(t, _WHY_REFUSED[name])
-    if admitted_ops.family_of(ns, name) is None:
-        return _refused(t, NOT_ADMITTED)
     schema = _dispatcher_schema(ns, name, overload)
     if schema is None:
         return _refused(
@@ -219,6 +217,8 @@ def _computing_op(t: str, ns: str, name: str, overload: str) -> Optional[str]:
             "aten::set_grad_enabled or aten::manual_seed changes process state, or the "
             "operator does not exist)",
         )
+    if admitted_ops.family_of(ns, name) is None:
+        return _refused(t, NOT_ADMITTED)
     if any(a.is_out for a in schema.arguments):
         return _refused(
             t,
