@@ -477,11 +477,9 @@ def _check_stored_calls(created: list, description: str, limits: ArchiveLimits) 
     overloads it defined without programs, and not ready."""
     try:
         check_call_graph(created, S.all_stored(), description, limits.call_depth)
-    except ArchiveError:
+    except ArchiveError as e:
         for sov in created:
-            sov.ready = False
-            for v in sov.variants:
-                v.fwd = v.bwd = None
+            sov.refuse(str(e))
         raise
 
 
