@@ -26,7 +26,7 @@ own (Note [The graph grammar] in graph_grammar.py, sym_expr.py for symbolic
 sizes, manifest.py) and may call only the operators of Note [Operators a loaded
 program may call] (op_policy.py); the only code that may run is that of the
 modules the caller allows. An archive never changes a Function the process owns
-(Note [Archive claims] in _impl/function.py, Note [The caller's own ops] in
+(Note [Archive claims] in _impl/opaque_function.py, Note [The caller's own ops] in
 own_ops.py), and a Function whose definition changed since saving is refused
 or run as ``load(function_changed=)`` says (Note [Function fingerprints] in
 fingerprint.py); the stored programs' call graph is acyclic and bounded (Note
