@@ -162,6 +162,28 @@ def test_a_changed_function_is_refused_or_run_as_chosen(setup, version, op, cls,
     assert r[8]["error"] is None and r[8]["value"] == V1_VALUE
 
 
+def test_archives_written_before_fingerprints_are_not_compared(setup, tmp_path):
+    """An archive whose manifest records no fingerprint (written before
+    torch_opaque recorded them: the v1 and v2 fixtures) cannot be compared:
+    the process's definition runs, changed or not, as the trust model's
+    identity row states."""
+    import archive_corpus as C
+    from support.processes import FIXTURES_DIR, REPO_DIR
+
+    for fixture in ("v1_net.pt2", "v2_net.pt2", "v2_net_sc.pt2"):
+        assert all("fingerprint" not in op for op in C.manifest_of(FIXTURES_DIR / fixture)["ops"]), fixture
+    old = tmp_path / "before_fingerprints.pt2"
+    m = C.manifest_of(setup["plain"])
+    for op in m["ops"]:
+        del op["fingerprint"]
+    C.with_manifest(setup["plain"], old, m)
+    (r,) = run_cases(setup, "v2_forward", [{"path": str(old), "options": {"allow": ["idmod"]}, "run": X}])
+    assert r["error"] is None and r["value"] == 3 * (3 + 3), r  # v2's forward, not the saved one
+    doc = (REPO_DIR / "docs" / "shipping.md").read_text()
+    identity = next(line for line in doc.splitlines() if line.startswith("| **loading: identity**"))
+    assert "archives written before fingerprints were recorded carry none: nothing is compared" in identity
+
+
 def test_function_changed_must_be_one_of_the_choices(setup):
     import torch_opaque
 

@@ -108,6 +108,39 @@ def test_stored_programs_calling_themselves_or_each_other_are_refused(archives, 
     refused(r[3], "cycle")
 
 
+CALL_REFUSED = r"""
+import json, sys, torch, torch_opaque
+try:
+    torch_opaque.load(sys.argv[1])
+except torch_opaque.ArchiveError:
+    pass
+packet = torch.ops.opaque.ArchOuter
+(overload,) = [o for o in packet.overloads() if "_stored_" in o]
+try:
+    getattr(packet, overload)(torch.ones(5, 6))
+    print(json.dumps(None))
+except Exception as e:
+    print(json.dumps([type(e).__name__, isinstance(e, torch_opaque.ArchiveError), overload, str(e)]))
+"""
+
+
+def test_a_refused_stored_overload_called_directly_says_why(archives, tmp_path):
+    """The overloads a refused archive defined stay registered without
+    programs. (Before: calling one raised a raw TypeError, 'NoneType' object
+    is not callable.)"""
+    self_call = tmp_path / "self_call.pt2"
+    C.edit_stored_program(archives["nested"], self_call, "fwd",
+                          _retarget("torch.ops.opaque.ArchCube", "torch.ops.opaque.ArchOuter.Tensor"),
+                          program=C.stored_program_name(archives["nested"], "ArchOuter", "fwd"))  # fmt: skip
+    proc = run_python(CALL_REFUSED, args=[self_call], with_fixtures=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    kind, ours, overload, msg = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert kind == "ArchiveError" and ours, msg
+    assert "opaque::ArchOuter.Tensor has no stored programs to run" in msg, msg
+    assert "the self-contained archive that defined it was refused when it loaded" in msg
+    assert "cycle" in msg and "allow=[<defining module>]" in msg
+
+
 def test_stored_call_depth_and_program_count_are_bounded(archives):
     """Outer -> Cube is 2 deep, and the archive stores 4 programs."""
     src = str(archives["nested"])
@@ -301,6 +334,40 @@ def test_stored_programs_of_unknown_versions_are_refused(archives, tmp_path):
         C.edit_stored_program(archives["nested"], p, "fwd", _set_entry(entry, value))
         (r,) = run_cases([{"path": str(p), "run": [5, 6]}])
         refused(r, f"is '{value.decode()}'", "stored fwd program")
+
+
+@pytest.mark.parametrize("entry, what, supported", [
+    ("archive_version", "version", "the versions '0'"),
+    ("archive_format", "format", "the formats 'pt2'"),
+])  # fmt: skip
+def test_archives_without_a_version_or_format_are_refused(archives, tmp_path, entry, what, supported):
+    """(Before: an archive without these entries loaded, read as pt2 version 0.)"""
+    drop = lambda n, b: None if n.endswith("/" + entry) else b  # noqa: E731
+    p = tmp_path / f"no_{entry}.pt2"
+    C.rewrite(archives["net"], p, drop)
+    with pytest.raises(torch_opaque.ArchiveError) as e:
+        torch_opaque.load(p, allow=ALLOW)
+    msg = str(e.value)
+    assert f"has no pt2 archive {what} (no entry '{C.root_of(p)}{entry}')" in msg, msg
+    assert f"torch_opaque reads {supported}" in msg and "save the program again with torch_opaque.save" in msg
+    assert cli_main(["inspect", str(p)]) == 1
+    inner = tmp_path / f"stored_no_{entry}.pt2"
+    C.edit_stored_program(archives["nested"], inner, "fwd", drop)
+    (r,) = run_cases([{"path": str(inner), "run": [5, 6]}])
+    refused(r, f"has no pt2 archive {what}", "stored fwd program", supported)
+
+
+def test_the_fixture_archives_all_name_their_version_and_format():
+    """Every archive an earlier torch_opaque wrote has both entries (so
+    refusing a missing one refuses no archive torch_opaque wrote)."""
+    import zipfile
+
+    from support.processes import FIXTURES_DIR
+
+    for path in sorted(FIXTURES_DIR.glob("*.pt2")):
+        with zipfile.ZipFile(path) as z:
+            names = {n.split("/", 1)[1] for n in z.namelist()}
+        assert {"archive_format", "archive_version"} <= names, path
 
 
 def test_newer_manifest_versions_name_the_versions_read(archives, tmp_path):

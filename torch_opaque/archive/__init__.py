@@ -26,7 +26,7 @@ own (Note [The graph grammar] in graph_grammar.py, sym_expr.py for symbolic
 sizes, manifest.py) and may call only the operators of Note [Operators a loaded
 program may call] (op_policy.py); the only code that may run is that of the
 modules the caller allows. An archive never changes a Function the process owns
-(Note [Archive claims] in _impl/function.py, Note [The caller's own ops] in
+(Note [Archive claims] in _impl/opaque_function.py, Note [The caller's own ops] in
 own_ops.py), and a Function whose definition changed since saving is refused
 or run as ``load(function_changed=)`` says (Note [Function fingerprints] in
 fingerprint.py); the stored programs' call graph is acyclic and bounded (Note
@@ -34,9 +34,11 @@ fingerprint.py); the stored programs' call graph is acyclic and bounded (Note
 what loading and running guarantee, with the limits.
 
 Files: manifest.py (the typed manifest and its one reader), zipio.py (bounded
-zip reading), graph_grammar.py / sym_expr.py / op_policy.py (the grammar of the
-graph, of symbolic sizes, and the operators a loaded program may call),
-program.py (pt2 programs read without unpickling), reader.py (what an archive
+zip reading), graph_grammar.py / sym_expr.py / op_policy.py / admitted_ops.py
+(the grammar of the graph, of symbolic sizes, and the operators a loaded
+program may call, by family), versions.py (the pt2 format and version),
+program.py (pt2 programs read without unpickling), weight_match.py (weights
+against their placeholders), reader.py (what an archive
 holds, for load and inspect), values.py (stored argument values), saving.py /
 trace.py (writing; tracing calls to ATen), hop_forms.py / optional_outputs.py
 (what torch's serializer cannot write by itself: higher-order ops, ``Tensor?[]``

@@ -58,7 +58,7 @@ def _claim_text(field: str, value) -> str:
 
 def _refuse_claim(fn, ov: OverloadRecord, field: str, claimed, actual, source: str,
                   description: str) -> ArchiveError:
-    """Note [Archive claims] (_impl/function.py): the archive says something
+    """Note [Archive claims] (_impl/opaque_function.py): the archive says something
     about the outputs of an op that a Function of this process defines, and
     the Function says otherwise."""
     cls = fn.cls
@@ -126,7 +126,7 @@ def _define_python_overload(fn, ov: OverloadRecord, description: str) -> None:
     The arguments must be the Function's own; what the manifest says of the
     outputs is checked against what the Function is known to give, and is
     otherwise a claim that the Function's first call of that overload confirms
-    before any call uses it (Note [Archive claims] in _impl/function.py)."""
+    before any call uses it (Note [Archive claims] in _impl/opaque_function.py)."""
     found = _python_overload(fn, ov, description)
     if found is not None:
         name, specs = found
@@ -477,11 +477,9 @@ def _check_stored_calls(created: list, description: str, limits: ArchiveLimits) 
     overloads it defined without programs, and not ready."""
     try:
         check_call_graph(created, S.all_stored(), description, limits.call_depth)
-    except ArchiveError:
+    except ArchiveError as e:
         for sov in created:
-            sov.ready = False
-            for v in sov.variants:
-                v.fwd = v.bwd = None
+            sov.refuse(str(e))
         raise
 
 

@@ -7,7 +7,13 @@ naming an operator is running code, and a kernel that trusts its arguments
 writes memory outside its tensors. Allowed (for call targets and for
 operators passed as arguments, ``as_operator``, alike):
 
-* public ATen and prims operators, except the families of ``_REFUSED``:
+* ATen, prims and rngprims operators only when a family of Note [Admitted
+  operator families] (admitted_ops.py) admits them: an allow list, each
+  family with the one-line reason its kernels check their arguments, and no
+  ``out=`` overloads. Anything else is refused at load, naming the operator
+  and the ways on: call it inside a Function of an allowed module, or have it
+  admitted. Some operators are refused with a reason of their own
+  (``_REFUSED``), so that the error says why they can never be admitted:
   - ``storage``: those that read or write files, re-point, resize or share
     storage, or print (``from_file``, ``set_``, ``resize_``, ``_print``,
     ``record_stream``, ...);
@@ -28,14 +34,9 @@ operators passed as arguments, ``as_operator``, alike):
     ``set_data``, ``_backward``, forward-AD duals, functorch batch levels);
     grad mode, the RNG seed and the other TorchScript builtins in the aten
     namespace (``aten::set_grad_enabled``, ``aten::manual_seed``, ``warn``,
-    ...) are refused because they are not dispatcher operators at all. Grad
-    mode and autocast change only inside the higher-order operators that
-    scope them (``wrap_with_set_grad_enabled``, ``wrap_with_autocast``);
-* private ATen and prims operators (``_name``) only when ``_PRIVATE_ADMITTED``
-  lists them: the ones torch.export and its decompositions write (softmax,
-  attention, FFT, linalg, ``_to_copy``, ``_unsafe_view``, ...), each a kernel
-  that checks its arguments (tests/archive/test_archive_op_fuzz.py calls every
-  admitted operator with hostile arguments in child processes);
+    ...) are not dispatcher operators at all. Grad mode and autocast change
+    only inside the higher-order operators that scope them
+    (``wrap_with_set_grad_enabled``, ``wrap_with_autocast``);
 * the batch-norm family (``native_batch_norm``, ``_native_batch_norm_legit*``,
   ...) only with arguments the loader checked (:func:`check_batch_norm`): its
   CPU kernels index the weight, bias and running statistics by the input's
@@ -55,8 +56,8 @@ operators passed as arguments, ``as_operator``, alike):
   says so (``custom_ok``): opaque ops the manifest describes, ops this process
   has registered itself.
 
-Public operators are admitted by a deny list (docs/limits.md): a new
-PyTorch release's new operator is admitted until it is listed here.
+A new PyTorch release's new operator is refused until a family admits it
+(and the fuzz test covers it).
 
 What a graph may write is Note [Writes a loaded program may make] (writes.py).
 
@@ -74,6 +75,8 @@ from __future__ import annotations
 import functools
 import re
 from typing import Callable, Optional
+
+from . import admitted_ops
 
 _OP_TARGET_RE = re.compile(r"^torch\.ops\.([A-Za-z_][A-Za-z0-9_]*)\.([A-Za-z_][A-Za-z0-9_]*)(\.[A-Za-z_][A-Za-z0-9_]*)?$")
 
@@ -97,6 +100,12 @@ _REFUSED = {
             "fractional_max_pool2d_backward", "fractional_max_pool3d_backward", "embedding_dense_backward",
             "embedding_backward", "embedding_sparse_backward", "segment_reduce", "_segment_reduce_backward",
             "_index_put_impl", "_index_put_impl_",
+            # found by tests/archive/test_archive_op_fuzz.py (SIGSEGV or SIGABRT on hostile arguments)
+            "_cummax_helper", "_cummin_helper", "_weight_norm_interface_backward", "_stack", "_foreach_copy",
+            "_foreach_copy_", "embedding_bag", "_embedding_bag", "_embedding_bag_forward_only", "_fft_r2c",
+            "_fft_c2r", "_fft_c2c", "reflection_pad1d_backward", "reflection_pad2d_backward",
+            "reflection_pad3d_backward", "_cdist_backward", "_pdist_backward", "_weight_norm",
+            "_weight_norm_interface",
         },
     ),
     "sparse": (
@@ -123,46 +132,6 @@ _REFUSED = {
     ),
 }  # fmt: skip
 _WHY_REFUSED = {name: why for why, names in _REFUSED.values() for name in names}
-# Private operators torch.export and its decompositions write, each with a
-# kernel that checks its arguments (Note [Operators a loaded program may call]).
-_PRIVATE_ADMITTED = {
-    "aten": {
-        "_adaptive_avg_pool2d", "_adaptive_avg_pool2d_backward", "_adaptive_avg_pool3d",
-        "_adaptive_avg_pool3d_backward", "_add_relu", "_addmm_activation", "_aminmax", "_assert_async",
-        "_assert_scalar", "_assert_tensor_metadata", "_functional_assert_async", "_functional_assert_scalar",
-        "_functional_sym_constrain_range", "_functional_sym_constrain_range_for_size", "_make_dep_token",
-        "_cdist_forward", "_cdist_backward", "_pdist_forward", "_pdist_backward", "_euclidean_dist",
-        "_conj", "_conj_copy", "_conj_physical", "_neg_view", "_neg_view_copy", "_convolution",
-        "_convolution_double_backward", "_embedding_bag", "_embedding_bag_forward_only",
-        "_fft_c2c", "_fft_c2r", "_fft_r2c", "_linalg_det", "_linalg_eigh", "_linalg_eigvals",
-        "_linalg_slogdet", "_linalg_solve_ex", "_linalg_svd", "_linalg_check_errors", "_lu_with_info",
-        "_local_scalar_dense", "_log_softmax", "_log_softmax_backward_data", "_softmax",
-        "_softmax_backward_data", "_safe_softmax", "_masked_softmax", "_logcumsumexp",
-        "_native_batch_norm_legit", "_native_batch_norm_legit_functional",
-        "_native_batch_norm_legit_no_training", "_batch_norm_with_update",
-        "_batch_norm_with_update_functional", "_batch_norm_no_update", "_to_copy", "_unsafe_view",
-        "_reshape_copy", "_unsafe_index", "_unsafe_index_put", "_unsafe_masked_index",
-        "_unsafe_masked_index_put_accumulate", "_upsample_bicubic2d_aa", "_upsample_bicubic2d_aa_backward",
-        "_upsample_bilinear2d_aa", "_upsample_bilinear2d_aa_backward", "_upsample_nearest_exact1d",
-        "_upsample_nearest_exact1d_backward", "_upsample_nearest_exact2d", "_upsample_nearest_exact2d_backward",
-        "_upsample_nearest_exact3d", "_upsample_nearest_exact3d_backward", "_weight_norm_interface",
-        "_weight_norm_interface_backward", "_prelu_kernel", "_prelu_kernel_backward",
-        "_scaled_dot_product_attention_math", "_scaled_dot_product_flash_attention_for_cpu",
-        "_scaled_dot_product_flash_attention_for_cpu_backward", "_scaled_dot_product_efficient_attention",
-        "_scaled_dot_product_efficient_attention_backward", "_scaled_dot_product_flash_attention",
-        "_scaled_dot_product_flash_attention_backward", "_fused_rms_norm", "_fused_rms_norm_backward",
-        "_chunk_cat", "_stack", "_trilinear", "_grid_sampler_2d_cpu_fallback",
-        "_grid_sampler_2d_cpu_fallback_backward", "_thnn_fused_lstm_cell", "_thnn_fused_gru_cell",
-        "_unique", "_unique2", "_fused_dropout", "_masked_scale", "_standard_gamma", "_standard_gamma_grad",
-        "_dirichlet_grad", "_sample_dirichlet", "_efficientzerotensor", "_lazy_clone", "_is_all_true",
-        "_is_any_true", "_shape_as_tensor", "_dim_arange", "_cummax_helper", "_cummin_helper",
-        "_foreach_add", "_foreach_sub", "_foreach_mul", "_foreach_div", "_foreach_neg", "_foreach_sqrt",
-        "_foreach_exp", "_foreach_abs", "_foreach_addcmul", "_foreach_addcdiv", "_foreach_norm",
-        "_foreach_copy", "_foreach_clone", "_foreach_pow", "_foreach_lerp", "_foreach_maximum",
-        "_foreach_minimum", "_foreach_sign", "_foreach_zero",
-    },
-    "prims": {"_make_token", "_sink_tokens"},
-}  # fmt: skip
 _COMPUTING_NAMESPACES = {"aten", "prims", "rngprims"}
 _REFUSED_NAMESPACES = {
     "profiler", "debugprims", "c10d", "_c10d_functional", "_c10d_functional_autograd",
@@ -179,6 +148,14 @@ _HIGHER_ORDER = {
     "wrap", "wrap_activation_checkpoint", "wrap_with_autocast", "wrap_with_set_grad_enabled",
     "run_const_graph", "_export_tracepoint",
 }  # fmt: skip
+
+
+NOT_ADMITTED = (
+    "it is not one of the operators a loaded program may call, those whose kernels check their "
+    "arguments (the families of docs/shipping.md#admitted-operators); call it inside a Function "
+    "of a module you allow (load(..., allow=[...])), or file an issue naming the operator to have "
+    "it admitted"
+)
 
 
 def _refused(t: str, why: str) -> str:
@@ -232,19 +209,21 @@ def check_target(t, custom_ok: Callable[[str], bool]) -> Optional[str]:
 def _computing_op(t: str, ns: str, name: str, overload: str) -> Optional[str]:
     if name in _WHY_REFUSED:
         return _refused(t, _WHY_REFUSED[name])
-    dunder = name.startswith("__") and name.endswith("__")
-    if name.startswith("_") and not dunder and name not in _PRIVATE_ADMITTED.get(ns, ()):
-        return _refused(
-            t,
-            "a private operator that torch.export does not write, whose kernel may trust its "
-            "arguments; private operators are admitted one by one",
-        )
-    if not _is_dispatcher_op(ns, name, overload):
+    schema = _dispatcher_schema(ns, name, overload)
+    if schema is None:
         return _refused(
             t,
             "not a dispatcher operator of torch (a TorchScript builtin such as "
             "aten::set_grad_enabled or aten::manual_seed changes process state, or the "
             "operator does not exist)",
+        )
+    if admitted_ops.family_of(ns, name) is None:
+        return _refused(t, NOT_ADMITTED)
+    if any(a.is_out for a in schema.arguments):
+        return _refused(
+            t,
+            "an out= overload, which resizes the tensor it is given; torch.export writes the "
+            "functional overload (export the program again and save it with torch_opaque.save)",
         )
     return None
 
@@ -315,16 +294,18 @@ def _same(a, b) -> bool:
 
 
 @functools.lru_cache(maxsize=4096)
-def _is_dispatcher_op(ns: str, name: str, overload: str) -> bool:
+def _dispatcher_schema(ns: str, name: str, overload: str):
+    """The schema of a dispatcher operator, or None (TorchScript builtins and
+    names that are no operator)."""
     import torch
 
     if ns == "prims":
         import torch._prims  # noqa: F401  (registers the prims operators)
     try:
         torch._C._dispatch_find_schema_or_throw(f"{ns}::{name}", "" if overload == "default" else overload)
-    except RuntimeError:
-        return False
-    return True
+        return getattr(getattr(getattr(torch.ops, ns), name), overload)._schema
+    except (RuntimeError, AttributeError):
+        return None
 
 
 # ---- stored programs ---------------------------------------------------------------------------

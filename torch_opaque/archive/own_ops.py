@@ -14,7 +14,7 @@ return annotation, and otherwise the forward run once on fake tensors of the
 overload's kinds of arguments (empty tensors, zero numbers; the run the
 Function's own first call would make when traced). Only a forward that cannot
 run on those fake tensors keeps the claim unchecked at load; its first call
-then confirms it (Note [Archive claims] in _impl/function.py).
+then confirms it (Note [Archive claims] in _impl/opaque_function.py).
 """
 
 from __future__ import annotations

@@ -59,6 +59,8 @@ from ..errors import ArchiveError
 from .graph_grammar import check_program_json
 from .hop_forms import read_empty_results
 from .op_policy import check_stored_graph, sym_targets
+from .versions import check_archive_version
+from .weight_match import weights_mismatch
 from .zipio import ArchiveLimits, ZipReader
 
 MODELS_DIR = "models/"
@@ -465,38 +467,6 @@ def archive_root(z: ZipReader) -> str:
     return next(iter(roots)) + "/"
 
 
-# Note [Archive versions]: torch.export.save writes the pt2 layout's format
-# ('archive_format': "pt2") and version ('archive_version': "0") at the root;
-# torch.export.load refuses any other version. A file of another format or of
-# a version torch_opaque does not know is refused by name, with the values it
-# reads, before anything else of it is read (a missing version is 0, as torch
-# reads it; the manifest's own version is checked in manifest.py).
-ARCHIVE_FORMATS = ("pt2",)
-ARCHIVE_VERSIONS = ("0",)
-
-
-def check_archive_version(z: ZipReader, root: str) -> None:
-    """Note [Archive versions]."""
-    for entry, known, what in (
-        ("archive_format", ARCHIVE_FORMATS, "format"),
-        ("archive_version", ARCHIVE_VERSIONS, "version"),
-    ):
-        name = root + entry
-        if name not in z.infos:
-            continue
-        if z.infos[name].file_size > 64:
-            value = f"<{z.infos[name].file_size} bytes>"
-        else:
-            value = z.read(name, "other").decode("utf-8", "replace").strip()
-        if value not in known:
-            raise ArchiveError(
-                f"torch_opaque: {z.description} says its pt2 archive {what} is {value[:40]!r} "
-                f"('{name}'); torch_opaque reads the {what}s {', '.join(map(repr, known))} "
-                f"(what torch.export.save writes). Save the program again with "
-                f"torch_opaque.save, or load it with the torch that wrote it."
-            )
-
-
 def model_names(z: ZipReader, root: str) -> list:
     out = []
     for n in z.names:
@@ -578,55 +548,6 @@ def check_what_runs(ep, where: str, writes: bool = True) -> None:
         why = undeclared_write(ep, where)
     if why is not None:
         raise ArchiveError(f"torch_opaque.load: {why}. The archive was crafted or corrupted; it is not loaded.")
-
-
-# Note [Weights match their placeholders]
-# A weight or constant is read from its own payload record (dtype, sizes,
-# strides, layout, device), the graph from its own JSON: nothing made them
-# agree, and a kernel compiled for the placeholder's float32 [2, 3] runs on
-# whatever the payload holds (uint64 garbage, fewer bytes). Every parameter,
-# buffer and tensor constant must have its placeholder's dtype, shape (a
-# symbolic size of a weight is refused: torch.export never writes one),
-# layout and device, as the placeholder's recorded value (``meta['val']``)
-# says; strides may differ (torch.export saves the storage as it was).
-def weights_mismatch(ep, where: str):
-    """Why a weight or constant of `ep` does not match its placeholder, or None."""
-    from torch.export.graph_signature import InputKind
-
-    placeholders = {n.name: n for n in ep.graph.nodes if n.op == "placeholder"}
-    for spec in ep.graph_signature.input_specs:
-        if spec.kind not in (InputKind.PARAMETER, InputKind.BUFFER, InputKind.CONSTANT_TENSOR):
-            continue
-        name = getattr(spec.arg, "name", None)
-        node = placeholders.get(name)
-        want = node.meta.get("val") if node is not None else None
-        got = ep.constants.get(spec.target) if spec.target in ep.constants else ep.state_dict.get(spec.target)
-        kind = spec.kind.name.lower().replace("_tensor", "")
-        if not isinstance(want, torch.Tensor) or not isinstance(got, torch.Tensor):
-            if spec.kind == InputKind.BUFFER and got is None and not spec.persistent:
-                continue  # a non-persistent buffer torch did not save: torch.export refuses to run it
-            return (
-                f"the {kind} '{spec.target}' of placeholder '{name}' in {where} is "
-                f"{type(got).__name__}, its placeholder records {type(want).__name__}; every "
-                f"weight must be a tensor its placeholder describes"
-            )
-        shape = tuple(want.shape)
-        if not all(isinstance(n, int) for n in shape):
-            return (
-                f"the placeholder '{name}' of the {kind} '{spec.target}' in {where} has the "
-                f"symbolic size {list(shape)}; a weight's size is fixed"
-            )
-        have = (got.dtype, tuple(got.shape), got.layout, got.device)
-        need = (want.dtype, shape, want.layout, want.device)
-        if have != need:
-            fields = ", ".join(
-                f"{f} {h} (the placeholder says {n})" for f, h, n in zip(("dtype", "shape", "layout", "device"), have, need) if h != n
-            )  # fmt: skip
-            return (
-                f"the {kind} '{spec.target}' in {where} does not match its placeholder "
-                f"'{name}': {fields}; a kernel would read it as the placeholder's type"
-            )
-    return None
 
 
 def program_from_bytes(data: bytes, description: str, where: str, limits, rename: dict):

@@ -19,7 +19,8 @@ from typing import Optional
 
 from ..errors import ArchiveError
 from .manifest import MANIFEST, Manifest, parse_manifest
-from .program import EXTRA_DIR, archive_root, check_archive_version, model_names, read_model_json
+from .program import EXTRA_DIR, archive_root, model_names, read_model_json
+from .versions import check_archive_version
 from .zipio import ArchiveLimits, ZipReader, describe
 
 

@@ -222,13 +222,32 @@ class StoredOverload:
         self.n_out = record.n_out
         self.variants = variants
         self.ready = False  # every variant's programs deserialized
+        self.refused: Optional[str] = None  # why the archive that defined it was refused
 
     def deserialize(self, description: str, limits, rename: dict) -> None:
         for v in self.variants:
             v.deserialize(description, f"{self.qual}.{self.overload}", limits, rename)
-        self.ready = True
+        self.ready, self.refused = True, None
+
+    def refuse(self, why: str) -> None:
+        """The archive defining this overload was refused after it was defined
+        (Note [Stored call graph]): it keeps no programs, and a call says why."""
+        self.ready, self.refused = False, why
+        for v in self.variants:
+            v.fwd = v.bwd = None
+            v.partial = {}
+
+    def _check_usable(self) -> None:
+        if self.refused is not None:
+            raise ArchiveError(
+                f"torch_opaque: {self.qual}.{self.overload} has no stored programs to run: the "
+                f"self-contained archive that defined it was refused when it loaded "
+                f"({self.refused[:300]}). Load an archive whose stored programs load, or load "
+                f"with allow=[<defining module>] to run the original Function."
+            )
 
     def select(self, args, fake: bool):
+        self._check_usable()
         for v in self.variants:
             flat = v.match(args, fake)
             if flat is not None:
@@ -283,6 +302,7 @@ class StoredOverload:
         when the stored forward ran, or the Function's own ctx state when the
         call comes from a saved training program (Note [Stored backward of
         training programs])."""
+        self._check_usable()
         if state.isdigit() and int(state) < len(self.variants):
             return self.variants[int(state)]
         for v in self.variants:
