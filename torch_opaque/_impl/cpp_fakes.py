@@ -17,9 +17,8 @@ as it is).
 
 Example (``example::scaled_sin`` of examples/cpp, built by scripts/dev.sh)::
 
-    >>> import pathlib, torch, torch_opaque
-    >>> root = pathlib.Path(torch_opaque.__file__).parents[1]
-    >>> torch_opaque.load_library(root / "build" / "examples_cpp" / "libexample_ops.so")
+    >>> import torch, torch_opaque
+    >>> torch_opaque.load_library("build/examples_cpp/libexample_ops.so")  # in a checkout
     >>> from torch_opaque._impl.cpp_fakes import has_kernel_fake
     >>> has_kernel_fake("example::scaled_sin_bwd")
     True

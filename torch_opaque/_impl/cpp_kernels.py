@@ -7,10 +7,9 @@ as ``kernels.Runner`` / ``kernels.BackwardRunner`` are for those that do.
 
 Example (``example::scaled_sin`` of examples/cpp, built by scripts/dev.sh)::
 
-    >>> import pathlib, torch, torch_opaque
+    >>> import torch, torch_opaque
     >>> from torch_opaque._impl.cpp_kernels import CppBackward, CppRunner
-    >>> root = pathlib.Path(torch_opaque.__file__).parents[1]
-    >>> torch_opaque.load_library(root / "build" / "examples_cpp" / "libexample_ops.so")
+    >>> torch_opaque.load_library("build/examples_cpp/libexample_ops.so")  # in a checkout
     >>> x = torch.tensor([0.0, 1.0])
     >>> outs, residuals, record = CppRunner("example", "scaled_sin", "default").run([True, False], [x, 3.0])
     >>> torch.allclose(outs[0], x.sin() * 3.0), residuals, record[0]  # x is saved: input 0
