@@ -283,7 +283,7 @@ def test_ctx_properties_are_hidden_from_torchscript(tmp_path):
     proc = subprocess.run([sys.executable, str(child)], env=child_env(), capture_output=True, text=True, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     before, after = proc.stdout.split()[-2:]
-    from torch_opaque.hooks import apply as apply_hook
+    from torch_opaque._impl import apply_route as apply_hook
 
     stock = "dots" if properties else "c-apply" if apply_hook._C_APPLY is not None else "scripted"
     assert (before, after) == (stock, "scripted")
